@@ -1,0 +1,83 @@
+"""Expansion (spec §5): selected groups -> ascending token ids, the forced tail last, -1 padding, counts.
+
+Input ``groups [rows, Kb]`` int32 as the top-k kernel writes them: ascending valid ids (< nb) first,
+then -1. Token slot ``j`` of a row with ``ng`` groups holds ``r*groups[j // r] + j % r`` for
+``j < r*ng``, then the tail ``r*nb .. p`` (``p + 1 - r*nb`` tokens), then -1. Inert rows: all -1, count 0.
+"""
+import functools
+
+from numba import cuda, int32, uint32
+
+from ..jit import SIMULATOR, jit
+from .common import row_state
+
+
+@functools.lru_cache(maxsize=None)
+def make_expand_kernel(threads, r):
+    """One block of ``threads`` threads per row (grid ``rows``).
+
+    The row's group count ``ng`` is found in parallel (the thread seeing the last valid id before a
+    -1 writes it to shared memory), then threads stride over the ``Kb*r + r - 1`` token slots
+    (coalesced writes; a group id is read by ``r`` neighbouring threads from L1).
+    Shared memory: 4 bytes.
+    """
+    NT = threads
+    R = r
+
+    @jit
+    def expand(groups, req_ids, positions, seq_lens, tokens, counts):
+        ng_s = cuda.shared.array(1, int32)
+        tid = uint32(cuda.threadIdx.x)
+        i = uint32(cuda.blockIdx.x)
+        kb = uint32(groups.shape[1])
+        width = uint32(tokens.shape[1])
+        req, p, nb = row_state(i, req_ids, positions, seq_lens, R)
+        if tid == uint32(0):
+            ng_s[0] = int32(0)
+        cuda.syncthreads()
+        if req >= int32(0):
+            for j in range(tid, kb, uint32(NT)):
+                if groups[i, j] >= int32(0):
+                    if j + uint32(1) == kb:
+                        ng_s[0] = int32(kb)
+                    elif groups[i, j + uint32(1)] < int32(0):
+                        ng_s[0] = int32(j + uint32(1))
+        cuda.syncthreads()
+        ng = uint32(ng_s[0])
+        tail = uint32(0)
+        if req >= int32(0):
+            tail = uint32(p + int32(1) - int32(R) * nb)
+        full = ng * uint32(R)
+        cnt = full + tail
+        for j in range(tid, width, uint32(NT)):
+            t = int32(-1)
+            if j < full:
+                gi = j // uint32(R)
+                t = groups[i, gi] * int32(R) + int32(j - gi * uint32(R))
+            elif j < cnt:
+                t = int32(R) * nb + int32(j - full)
+            tokens[i, j] = t
+        if tid == uint32(0):
+            counts[i] = int32(cnt)
+
+    expand.threads = NT
+    return expand
+
+
+def expand_threads(profile):
+    return 32 if SIMULATOR else int(profile.topk.threads)
+
+
+def launch_expand(groups, req_ids, positions, seq_lens, tokens, counts, profile, stream, r=4):
+    """Write ``tokens [rows, Kb*r + r - 1]`` and ``counts [rows]`` (int32 device arrays)."""
+    rows = groups.shape[0]
+    if rows == 0:
+        return tokens, counts
+    k = make_expand_kernel(expand_threads(profile), int(r))
+    k[rows, k.threads, stream](groups, req_ids, positions, seq_lens, tokens, counts)
+    return tokens, counts
+
+
+_SIG = "void(int32[:, :], int32[:], int32[:], int32[:], int32[:, :], int32[:])"
+RESOURCE_CASES = [("expand.r4.t256", make_expand_kernel(256, 4), _SIG, 256, 0, cc)
+                  for cc in ((7, 0), (9, 0))]

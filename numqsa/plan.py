@@ -1,0 +1,153 @@
+"""Planning and routing: a pure function from a problem and a compute capability to a launch plan.
+
+Nothing here touches a GPU, so routes can be tested and explained on any machine. Launch profiles are
+frozen dataclasses, one row per architecture; each field's comment says what chose it.
+
+Environment overrides (read at every plan, so tests can flip them):
+
+- ``NUMQSA_ARCH=sm_70`` (or ``sm_80``, ``sm_90``): plan as if on that architecture. On an H200 this
+  runs the sm_70 kernels (m8n8k4 tensor-core code, which Hopper emulates) for correctness checks.
+- ``NUMQSA_INDEXER_TILED=0``: never take the tiled tensor-core index-score route.
+- ``NUMQSA_PAGE4=0``: never take the page-4 grouped attention route.
+"""
+import os
+from dataclasses import dataclass, replace
+
+__all__ = [
+    "ScoresProfile", "TopkProfile", "AttentionProfile", "ArchProfile", "PROFILES",
+    "arch_profile", "SelectPlan", "AttentionPlan", "plan_select", "plan_attention",
+]
+
+
+@dataclass(frozen=True)
+class ScoresProfile:
+    """Index-score stage."""
+    mma: str                   # "m8n8k4" (sm_70) or "m16n8k16" (sm_80+)
+    tile_rows: int = 64        # query rows per block of the tiled route
+    tile_keys: int = 64        # compressed keys staged in shared memory per step
+    warps: int = 4
+    tiled_min_rows: int = 512  # issue 3 default admission: rows ...
+    tiled_min_elems: int = 1 << 20  # ... and score elements (rows x groups)
+
+
+@dataclass(frozen=True)
+class TopkProfile:
+    """Top-k and expansion stages."""
+    threads: int = 256
+    chunk_groups: int = 65536  # fused select: groups scored per pass at long context
+
+
+@dataclass(frozen=True)
+class AttentionProfile:
+    """Sparse attention stage."""
+    mma: str
+    group_rows: int = 16       # query rows sharing K/V pages in the page-4 route
+    threads: int = 128
+    page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in bench/NOTES.md
+
+
+@dataclass(frozen=True)
+class ArchProfile:
+    name: str
+    cc: tuple
+    has_bf16: bool
+    max_static_smem: int       # bytes per block without the opt-in attribute
+    smem_per_sm: int
+    regs_per_sm: int
+    max_threads_per_sm: int
+    sm_count: int              # of the reference card of this row
+    scores: ScoresProfile
+    topk: TopkProfile
+    attention: AttentionProfile
+
+
+PROFILES = {
+    "sm_70": ArchProfile(  # V100: 80 SMs, 96 KB smem/SM, no bfloat16
+        name="sm_70", cc=(7, 0), has_bf16=False, max_static_smem=48 * 1024,
+        smem_per_sm=96 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=80,
+        scores=ScoresProfile(mma="m8n8k4"),
+        topk=TopkProfile(),
+        attention=AttentionProfile(mma="m8n8k4", group_rows=8, page4_min_rows=4096),
+    ),
+    "sm_80": ArchProfile(
+        name="sm_80", cc=(8, 0), has_bf16=True, max_static_smem=48 * 1024,
+        smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
+        scores=ScoresProfile(mma="m16n8k16"),
+        topk=TopkProfile(),
+        attention=AttentionProfile(mma="m16n8k16"),
+    ),
+    "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
+        name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
+        smem_per_sm=228 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=132,
+        scores=ScoresProfile(mma="m16n8k16"),
+        topk=TopkProfile(),
+        attention=AttentionProfile(mma="m16n8k16"),
+    ),
+}
+
+
+def _env_flag(name):
+    """True unless the variable is set to 0/false/off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def arch_profile(cc):
+    """The launch profile for compute capability ``cc`` (a tuple), or ``NUMQSA_ARCH``'s if set.
+
+    Unknown newer architectures take the newest row not above them; anything below sm_70 is refused.
+    """
+    forced = os.environ.get("NUMQSA_ARCH")
+    if forced:
+        if forced not in PROFILES:
+            raise ValueError(f"NUMQSA_ARCH={forced!r}: expected one of {sorted(PROFILES)}")
+        return PROFILES[forced]
+    cc = tuple(cc)
+    rows = [p for p in PROFILES.values() if p.cc <= cc]
+    if not rows:
+        raise ValueError(f"compute capability {cc[0]}.{cc[1]} is below sm_70, which numqsa needs")
+    return max(rows, key=lambda p: p.cc)
+
+
+@dataclass(frozen=True)
+class SelectPlan:
+    profile: ArchProfile
+    scores_route: str          # "tiled" or "light"
+    reason: str
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    profile: ArchProfile
+    route: str                 # "page4" or "generic"
+    reason: str
+
+
+def plan_select(rows, num_groups, cc):
+    """Route the index-score stage: tensor-core tiles for long prefill work, light kernel otherwise."""
+    prof = arch_profile(cc)
+    sp = prof.scores
+    if not _env_flag("NUMQSA_INDEXER_TILED"):
+        return SelectPlan(prof, "light", "NUMQSA_INDEXER_TILED=0")
+    if rows < sp.tiled_min_rows:
+        return SelectPlan(prof, "light", f"rows {rows} < {sp.tiled_min_rows}")
+    if rows * num_groups < sp.tiled_min_elems:
+        return SelectPlan(prof, "light", f"rows*groups {rows * num_groups} < {sp.tiled_min_elems}")
+    return SelectPlan(prof, "tiled", f"rows {rows} >= {sp.tiled_min_rows}")
+
+
+def plan_attention(rows, cc, page_size=None, r=4):
+    """Route sparse attention: page-4 grouped kernel from ``page4_min_rows`` rows, else generic."""
+    prof = arch_profile(cc)
+    ap = prof.attention
+    if not _env_flag("NUMQSA_PAGE4"):
+        return AttentionPlan(prof, "generic", "NUMQSA_PAGE4=0")
+    if page_size is not None and page_size % r:
+        return AttentionPlan(prof, "generic", f"page_size {page_size} not a multiple of r={r}")
+    if rows < ap.page4_min_rows:
+        return AttentionPlan(prof, "generic", f"rows {rows} < {ap.page4_min_rows}")
+    return AttentionPlan(prof, "page4", f"rows {rows} >= {ap.page4_min_rows}")
+
+
+def with_overrides(profile, **stage_fields):
+    """A copy of ``profile`` with stage profiles replaced, e.g. ``attention=replace(...)`` (benchmarks)."""
+    return replace(profile, **stage_fields)

@@ -1,0 +1,47 @@
+"""Test set-up: the simulator unless a GPU is present, ``gpu`` marks, fresh seeds per case.
+
+``NUMBA_ENABLE_CUDASIM`` must be decided before numba is first imported, so it is set here. On a GPU
+machine, ``pytest -m gpu`` runs the real-shape tier; without one those tests are skipped.
+Seeds: each test gets a generator seeded from the session seed (``NUMQSA_SEED``, random by default,
+printed in the header) and the test's id, so a failure can be replayed exactly.
+"""
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+
+def _has_gpu():
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0" if _has_gpu() else "1")
+SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+SESSION_SEED = int(os.environ.get("NUMQSA_SEED", np.random.SeedSequence().entropy % (1 << 32)))
+
+
+def pytest_report_header(config):
+    mode = "numba CUDA simulator" if SIMULATOR else "real GPU"
+    return f"numqsa: {mode}; NUMQSA_SEED={SESSION_SEED}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if SIMULATOR:
+        skip = pytest.mark.skip(reason="needs a real GPU (NUMBA_ENABLE_CUDASIM=1)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator fresh per test case, replayable with NUMQSA_SEED."""
+    seed = (SESSION_SEED, zlib.crc32(request.node.nodeid.encode()))
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def seed(rng):
+    """An integer seed for helpers that build their own generator."""
+    return int(rng.integers(1 << 31))
