@@ -1,7 +1,8 @@
 """Arrays and streams at the API boundary: NumPy in/out, zero-copy CUDA arrays, foreign streams.
 
 NumPy inputs are copied to the device and results copied back; numba device arrays, PyTorch and CuPy
-CUDA tensors (anything with ``__cuda_array_interface__``) are used in place, strides included.
+CUDA tensors (anything with ``__cuda_array_interface__``; numba-cuda 0.30 has no DLPack import) are
+used in place, strides included.
 """
 import os
 
@@ -35,7 +36,9 @@ def as_device(x, stream):
     """``(device_array, was_host)``: NumPy is copied (made contiguous first), CUDA arrays are viewed."""
     if isinstance(x, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(x), stream=stream), True
-    if cuda.is_cuda_array(x):
+    if hasattr(x, "copy_to_host") and hasattr(x, "copy_to_device"):   # numba (or simulator) array
+        return x, False
+    if hasattr(x, "__cuda_array_interface__"):                          # PyTorch, CuPy, ...
         return cuda.as_cuda_array(x), False
     raise TypeError(f"expected a NumPy array or a CUDA array, got {type(x).__name__}")
 

@@ -41,7 +41,8 @@ class TopkProfile:
 class AttentionProfile:
     """Sparse attention stage."""
     mma: str
-    group_rows: int = 16       # query rows sharing K/V pages in the page-4 route
+    group_rows: int = 8        # query rows sharing K/V pages in the page-4 route: one warp per row;
+                               # 16 warps x ~160 registers do not fit an SM (resource report)
     threads: int = 128
     page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in bench/NOTES.md
 
@@ -74,14 +75,14 @@ PROFILES = {
         smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m16n8k16"),
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
     ),
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
         name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=228 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=132,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m16n8k16"),
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
     ),
 }
 

@@ -9,10 +9,11 @@ import functools
 
 import numpy as np
 import pytest
-from numba import cuda, uint32
+from numba import cuda, float32, uint32
 
 from numqsa.jit import SIMULATOR, jit
 from numqsa.kernels import mma
+from numqsa.kernels.mma import SCRATCH_WORDS   # a plain global: shared.array needs a constant
 from numqsa.testing import assert_matches_oracle
 
 
@@ -32,11 +33,9 @@ def _launch(kernel, blocks, threads, *args):
 # ---------------------------------------------------------------- single tiles through *_pos helpers
 
 @functools.lru_cache(maxsize=None)
-def _tile16816_kernel(warps, bf16):
-    """d[t] = a[t] @ b[t] + c[t] for 16x16 @ 16x8 tiles, one tile per warp; fragments gathered with
-    m16n8k16_a_pos / _b_pos and stored with _c_pos, so the helpers are checked against the mma."""
+def _word_gatherers(bf16):
+    """Device functions building one A / B register of tile t from m16n8k16_a_pos / _b_pos."""
     pack = mma.pack_bf16x2 if bf16 else mma.pack_f16x2
-    op = mma.mma_m16n8k16_bf16 if bf16 else mma.mma_m16n8k16_f16
 
     @jit(device=True)
     def a_word(a, t, lane, j):
@@ -45,13 +44,26 @@ def _tile16816_kernel(warps, bf16):
         return pack(a[t, r0, k0], a[t, r1, k1])
 
     @jit(device=True)
-    def b_word(b, t, lane, j):
-        k0, n0 = mma.m16n8k16_b_pos(lane, j, 0)
+    def b_word(b, t, n0, lane, j):
+        k0, n = mma.m16n8k16_b_pos(lane, j, 0)
         k1, n1 = mma.m16n8k16_b_pos(lane, j, 1)
-        return pack(b[t, k0, n0], b[t, k1, n1])
+        return pack(b[t, k0, n0 + n], b[t, k1, n0 + n1])
+    return a_word, b_word
+
+
+@functools.lru_cache(maxsize=None)
+def _tile16816_kernel(warps, bf16):
+    """d[t] = a[t] @ b[t] + c[t] for 16x16 @ 16x8 tiles, one tile per warp; fragments gathered with
+    m16n8k16_a_pos / _b_pos and stored with _c_pos, so the helpers are checked against the mma."""
+    op = mma.mma_m16n8k16_bf16 if bf16 else mma.mma_m16n8k16_f16
+    a_word, b_word_n = _word_gatherers(bf16)
+
+    @jit(device=True)
+    def b_word(b, t, lane, j):
+        return b_word_n(b, t, uint32(0), lane, j)
 
     def kernel(a, b, c, d):
-        scr = cuda.shared.array((warps, mma.SCRATCH_WORDS), uint32)
+        scr = cuda.shared.array((warps, SCRATCH_WORDS), uint32)
         tid = uint32(cuda.threadIdx.x)
         warp = tid >> uint32(5)
         lane = tid & uint32(31)
@@ -76,6 +88,40 @@ def _tile16816_kernel(warps, bf16):
 
 
 @functools.lru_cache(maxsize=None)
+def _chain16816_kernel(warps, bf16):
+    """s[t] = a[t] @ b[t] (two n8 tiles, stored with store_c_m16n8k16), then
+    o[t] = s[t] @ v[t] with s taken from the accumulators by c_pair_to_a_*: the flash-attention
+    P @ V step, all in registers."""
+    op = mma.mma_m16n8k16_bf16 if bf16 else mma.mma_m16n8k16_f16
+    to_a = mma.c_pair_to_a_bf16 if bf16 else mma.c_pair_to_a_f16
+    a_word, b_word = _word_gatherers(bf16)
+
+    def kernel(a, b, v, s, o):
+        scr = cuda.shared.array((warps, SCRATCH_WORDS), uint32)
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & uint32(31)
+        t = uint32(cuda.blockIdx.x) * uint32(warps) + warp
+        live = t < uint32(a.shape[0])
+        tt = t if live else uint32(0)
+        z = float32(0)
+        fa = (a_word(a, tt, lane, 0), a_word(a, tt, lane, 1),
+              a_word(a, tt, lane, 2), a_word(a, tt, lane, 3))
+        s0 = op(fa, (b_word(b, tt, uint32(0), lane, 0), b_word(b, tt, uint32(0), lane, 1)),
+                (z, z, z, z), scr[warp], lane)
+        s1 = op(fa, (b_word(b, tt, uint32(8), lane, 0), b_word(b, tt, uint32(8), lane, 1)),
+                (z, z, z, z), scr[warp], lane)
+        out = op(to_a(s0, s1), (b_word(v, tt, uint32(0), lane, 0),
+                                b_word(v, tt, uint32(0), lane, 1)),
+                 (z, z, z, z), scr[warp], lane)
+        if live:
+            mma.store_c_m16n8k16(s[t], uint32(0), uint32(0), s0, lane)
+            mma.store_c_m16n8k16(s[t], uint32(0), uint32(8), s1, lane)
+            mma.store_c_m16n8k16(o[t], uint32(0), uint32(0), out, lane)
+    return jit(kernel)
+
+
+@functools.lru_cache(maxsize=None)
 def _tile884_kernel(warps):
     """d[t, q] = a[t, q] @ b[t, q] + c[t, q]: the four 8x8x4 products of quad-pairs q = 0..3."""
     @jit(device=True)
@@ -88,8 +134,8 @@ def _tile884_kernel(warps):
         k1, n1 = mma.m8n8k4_b_pos(lane, j, 1)
         return mma.pack_f16x2(x[t, q, k0, n0], x[t, q, k1, n1])
 
-    def kernel(a, b, c, d):
-        scr = cuda.shared.array((warps, mma.SCRATCH_WORDS), uint32)
+    def kernel(a, b, c, d, d2):
+        scr = cuda.shared.array((warps, SCRATCH_WORDS), uint32)
         tid = uint32(cuda.threadIdx.x)
         warp = tid >> uint32(5)
         lane = tid & uint32(31)
@@ -111,6 +157,7 @@ def _tile884_kernel(warps):
             for i in range(8):
                 r, col = mma.m8n8k4_c_pos(lane, i)
                 d[t, q, r, col] = out[i]
+            mma.store_c_m8n8k4(d2[t, q], uint32(0), uint32(0), out, lane)
     return jit(kernel)
 
 
@@ -134,16 +181,118 @@ def test_m16n8k16_tiles_exact(rng, tiles, warps, bf16):
 
 
 @pytest.mark.parametrize("tiles,warps", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
+def test_m16n8k16_accumulators_feed_next_mma(rng, tiles, warps, bf16):
+    """S = A @ B (16x16), then O = S @ V with S moved from accumulators to A registers. Integer
+    inputs keep |S| <= 32 (exact in float16 and bfloat16) and O exact in float32."""
+    a, b = _small_ints(rng, (tiles, 16, 16), -2, 3), _small_ints(rng, (tiles, 16, 16), -1, 2)
+    v = _small_ints(rng, (tiles, 16, 8), -2, 3)
+    s = np.full((tiles, 16, 16), np.nan, np.float32)
+    o = np.full((tiles, 16, 8), np.nan, np.float32)
+    dt = np.float32 if bf16 else np.float16
+    *_, got_s, got_o = _launch(_chain16816_kernel(warps, bf16), -(-tiles // warps), 32 * warps,
+                               a.astype(dt), b.astype(dt), v.astype(dt), s, o)
+    want_s = a.astype(np.float64) @ b
+    np.testing.assert_array_equal(got_s, want_s, err_msg="S through store_c_m16n8k16")
+    np.testing.assert_array_equal(got_o, want_s @ v, err_msg="O through c_pair_to_a")
+
+
+@pytest.mark.parametrize("tiles,warps", [(1, 1), (3, 2)])
 def test_m8n8k4_tiles_exact(rng, tiles, warps):
     """Integer tiles: each quad-pair's D must equal its A @ B + C exactly."""
     a, b = _small_ints(rng, (tiles, 4, 8, 4)), _small_ints(rng, (tiles, 4, 4, 8))
     c = _small_ints(rng, (tiles, 4, 8, 8), -50, 51)
     d = np.full((tiles, 4, 8, 8), np.nan, np.float32)
     blocks = -(-tiles // warps)
-    *_, got = _launch(_tile884_kernel(warps), blocks, 32 * warps,
-                      a.astype(np.float16), b.astype(np.float16), c, d)
+    *_, got, got2 = _launch(_tile884_kernel(warps), blocks, 32 * warps,
+                            a.astype(np.float16), b.astype(np.float16), c, d, d.copy())
     want = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got2, want, err_msg="store_c_m8n8k4")
+
+
+@jit
+def _uneven_warps_kernel(a, bt, d):
+    """Warp w accumulates a @ bt.T (w + 1) times: warps of one block run different mma counts."""
+    scr = cuda.shared.array((4, SCRATCH_WORDS), uint32)
+    tid = uint32(cuda.threadIdx.x)
+    warp = tid >> uint32(5)
+    lane = tid & uint32(31)
+    z = float32(0)
+    u0 = uint32(0)
+    acc = (z, z, z, z)
+    for _ in range(warp + uint32(1)):
+        acc = mma.mma_m16n8k16_f16(mma.load_a_m16n8k16(a, u0, u0, lane),
+                                   mma.load_bt_m16n8k16(bt, u0, u0, lane), acc, scr[warp], lane)
+    mma.store_c_m16n8k16(d[warp], u0, u0, acc, lane)
+
+
+def test_warps_may_run_different_mma_counts(rng):
+    a = _small_ints(rng, (16, 16)).astype(np.float16)
+    bt = _small_ints(rng, (8, 16)).astype(np.float16)
+    d = np.full((4, 16, 8), np.nan, np.float32)
+    *_, got = _launch(_uneven_warps_kernel, 1, 128, a, bt, d)
+    prod = a.astype(np.float64) @ bt.astype(np.float64).T
+    np.testing.assert_array_equal(got, np.arange(1, 5)[:, None, None] * prod)
+
+
+# ---------------------------------------------------------------- the load_* helpers
+
+@functools.lru_cache(maxsize=None)
+def _loaders_kernel(warps, shape):
+    """d1[t] = a[t] @ bt[t].T through the element loaders (load_a_*, load_bt_*) and d2[t] the same
+    through the packed-word loaders (*_u32), one 16x8 (m16n8k16) or 16x16 (m8n8k4) tile per warp."""
+    def kernel(a16, bt16, a32, bt32, d1, d2):
+        scr = cuda.shared.array((warps, SCRATCH_WORDS), uint32)
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & uint32(31)
+        t = uint32(cuda.blockIdx.x) * uint32(warps) + warp
+        live = t < uint32(a16.shape[0])
+        tt = t if live else uint32(0)
+        z = float32(0)
+        u0 = uint32(0)
+        if shape == "m16n8k16":
+            acc1 = mma.mma_m16n8k16_f16(mma.load_a_m16n8k16(a16[tt], u0, u0, lane),
+                                        mma.load_bt_m16n8k16(bt16[tt], u0, u0, lane),
+                                        (z, z, z, z), scr[warp], lane)
+            acc2 = mma.mma_m16n8k16_f16(mma.load_a_m16n8k16_u32(a32[tt], u0, u0, lane),
+                                        mma.load_bt_m16n8k16_u32(bt32[tt], u0, u0, lane),
+                                        (z, z, z, z), scr[warp], lane)
+            if live:
+                mma.store_c_m16n8k16(d1[t], u0, u0, acc1, lane)
+                mma.store_c_m16n8k16(d2[t], u0, u0, acc2, lane)
+        else:
+            q = mma.m8n8k4_quadpair(lane)
+            qr = uint32(8) * (q & uint32(1))
+            qn = uint32(8) * (q >> uint32(1))
+            acc1 = (z, z, z, z, z, z, z, z)
+            acc2 = (z, z, z, z, z, z, z, z)
+            for kk in range(0, 16, 4):
+                a0, a1 = mma.load_a_m8n8k4(a16[tt], qr, kk, lane)
+                b0, b1 = mma.load_bt_m8n8k4(bt16[tt], qn, kk, lane)
+                acc1 = mma.mma_m8n8k4_f16(a0, a1, b0, b1, acc1, scr[warp], lane)
+                a0, a1 = mma.load_a_m8n8k4_u32(a32[tt], qr, kk // 2, lane)
+                b0, b1 = mma.load_bt_m8n8k4_u32(bt32[tt], qn, kk // 2, lane)
+                acc2 = mma.mma_m8n8k4_f16(a0, a1, b0, b1, acc2, scr[warp], lane)
+            if live:
+                mma.store_c_m8n8k4(d1[t], qr, qn, acc1, lane)
+                mma.store_c_m8n8k4(d2[t], qr, qn, acc2, lane)
+    return jit(kernel)
+
+
+@pytest.mark.parametrize("shape", ["m16n8k16", "m8n8k4"])
+def test_loaders_exact(rng, shape):
+    tiles, warps = 3, 2
+    n = 8 if shape == "m16n8k16" else 16
+    a = _small_ints(rng, (tiles, 16, 16)).astype(np.float16)
+    bt = _small_ints(rng, (tiles, n, 16)).astype(np.float16)
+    d = np.full((tiles, 16, n), np.nan, np.float32)
+    *_, d1, d2 = _launch(_loaders_kernel(warps, shape), -(-tiles // warps), 32 * warps,
+                         a, bt, a.view(np.uint32), bt.view(np.uint32), d, d.copy())
+    want = a.astype(np.float64) @ bt.astype(np.float64).transpose(0, 2, 1)
+    np.testing.assert_array_equal(d1, want, err_msg="element loaders")
+    np.testing.assert_array_equal(d2, want, err_msg="packed-word loaders")
 
 
 # ---------------------------------------------------------------- layouts are bijections
@@ -228,7 +377,8 @@ def test_pack_unpack_bits(rng):
     outs = [np.zeros(n, np.uint32) for _ in range(3)] + [np.zeros(2 * n, np.float16)]
     *_, f16, f32, bf16, unpacked = _launch(_pack_kernel, 2, 32, x16, y32, w, *outs)
     np.testing.assert_array_equal(f16, x16.view(np.uint32))
-    np.testing.assert_array_equal(f32, y32.astype(np.float16).view(np.uint32))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(f32, y32.astype(np.float16).view(np.uint32))
     want_bf = _round_bf16(y32).view(np.uint32) >> np.uint32(16)
     np.testing.assert_array_equal(bf16, want_bf[0::2] | (want_bf[1::2] << np.uint32(16)))
     np.testing.assert_array_equal(unpacked.view(np.uint16), w.view(np.uint16))

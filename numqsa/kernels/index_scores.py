@@ -5,8 +5,9 @@ Two routes over the same output ``scores [rows, num_groups]`` float32:
 - light (:func:`make_light_scores_kernel`): shared-memory tiles, fp32 FMA. For decode and short work,
   and the fallback everywhere. A block keeps ``TR`` query rows (all heads) in shared memory and walks
   ``keys_per_block`` compressed keys in tiles of ``TK``.
-- tiled (:mod:`numqsa.kernels.index_scores_mma` is not a separate module: see
-  :func:`make_tiled_scores_kernel`): tensor cores (mma.sync m16n8k16 on sm_80+, m8n8k4 on sm_70).
+- tiled (:func:`make_tiled_scores_kernel`): tensor cores (mma.sync m16n8k16 on sm_80+, m8n8k4 on
+  sm_70, through :mod:`numqsa.kernels.mma`), float16 inputs, float32 accumulation, ReLU and head sum
+  in the epilogue. Admitted by :func:`numqsa.plan.plan_select`.
 
 Rows of one tile may belong to different requests (varlen batches): a block runs one pass per
 distinct request among its rows, staging that request's keys; almost always there is one pass.
@@ -19,7 +20,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from ..jit import SIMULATOR, jit
+from ..jit import SIMULATOR, device_jit, jit
 from .common import row_state
 
 NEG_INF = float32(-math.inf)
@@ -181,6 +182,262 @@ def launch_light(qi, index_cache, index_block_table, req_ids, positions, seq_len
     return scores
 
 
+# ------------------------------------------------------------------------------------------------
+# Tiled tensor-core route
+# ------------------------------------------------------------------------------------------------
+
+def _tiled_shape():
+    """(warps per block, keys per shared tile). GPU: 8 warps, 64 keys (17 KB of keys);
+    simulator: 2 warps, 16 keys (each thread is an OS thread)."""
+    return (2, 16) if SIMULATOR else (8, 64)
+
+
+TILED_HEADS = (1, 2, 4, 8, 16)
+
+
+def tiled_supported(qi, index_cache):
+    """The tensor-core route: float16 queries and keys, Hi in 1, 2, 4, 8, 16, Di a multiple of 16."""
+    from oracle.validate import dtype_name
+    return (dtype_name(qi) == "float16" and dtype_name(index_cache) == "float16"
+            and qi.shape[1] in TILED_HEADS and qi.shape[2] % 16 == 0)
+
+
+if SIMULATOR:
+    @device_jit
+    def _xor_add(v, mask, lane, scr):
+        # shfl_xor stand-in through this warp's shared row; every thread of the block calls it
+        scr[lane] = v
+        cuda.syncthreads()
+        o = scr[lane ^ mask]
+        cuda.syncthreads()
+        return v + o
+else:
+    @device_jit
+    def _xor_add(v, mask, lane, scr):
+        return v + cuda.shfl_xor_sync(uint32(0xFFFFFFFF), v, mask)
+
+
+@functools.lru_cache(maxsize=None)
+def make_tiled_scores_kernel(kind, hi, di, r):
+    """Tensor-core index scores; ``kind`` is ``"m16n8k16"`` (sm_80+) or ``"m8n8k4"`` (sm_70).
+
+    The product is one GEMM per warp with M = 16 (query row, head) pairs (``16 // Hi`` query rows x
+    ``Hi`` heads), N = keys, K = Di: the warp's A fragments (its queries, float16) are loaded once
+    into registers (Di/2 words per lane for m16n8k16 ... ``Di/16 * 4`` registers) and reused for every
+    key of the block's span. Keys are staged per tile of ``TN`` in shared memory as packed f16x2
+    words with a padded row (``Di/2 + 4`` words: fragment loads are bank-conflict free). The
+    epilogue applies ReLU to each (row, head) product and sums the heads of a row with xor shuffles
+    (the heads of a row are the low bits of M, which map to lane bits), then scales by 1/sqrt(Di).
+
+    Grid ``(ceil(G / keys_per_block), ceil(rows / TM))``, ``TM = warps * 16 // Hi`` rows per block,
+    block ``32 * warps`` threads. Shared memory: ``TN * (Di/2 + 4) * 4 + 8 * TM`` bytes plus the
+    simulator's mma scratch (17.5 KB at TN 64, Di 128 on a GPU).
+    Entries past a row's ``nb`` (and inert rows) are written ``-inf`` by a separate coalesced sweep,
+    so every element is written once.
+    """
+    from . import mma as M
+
+    WARPS, TN = _tiled_shape()
+    NT = 32 * WARPS
+    HI, DI = hi, di
+    RW = 16 // hi               # query rows per warp
+    TM = WARPS * RW
+    DIW = di // 2
+    DIWP = DIW + 4
+    KS = di // 16               # m16n8k16 k-steps; m8n8k4 takes 4*KS k4-steps
+    HB = hi - 1
+    inv_sqrt = float32(1.0 / math.sqrt(di))
+    SCRW = M.SCRATCH_WORDS
+    XS = 32 if SIMULATOR else 1
+    FULL = uint32(0xFFFFFFFF)
+    U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
+    F0 = float32(0.0)
+    mma16 = M.mma_m16n8k16_f16
+    mma884 = M.mma_m8n8k4_f16
+    pack = M.pack_f16x2
+    if kind == "m16n8k16":
+        AREG = KS * 4
+    elif kind == "m8n8k4":
+        AREG = KS * 8
+    else:
+        raise ValueError(f"unknown mma kind {kind!r}")
+    IS16 = kind == "m16n8k16"
+
+    @jit
+    def tiled_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+                     keys_per_block, scores):
+        k_s = cuda.shared.array((TN, DIWP), uint32)
+        r_req = cuda.shared.array(TM, int32)
+        r_nb = cuda.shared.array(TM, int32)
+        scr = cuda.shared.array((WARPS, SCRW), uint32)
+        xs = cuda.shared.array((WARPS, XS), float32)
+        a_reg = cuda.local.array(AREG, uint32)
+
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & U31
+        rows = uint32(scores.shape[0])
+        ngroups = uint32(scores.shape[1])
+        row0 = uint32(cuda.blockIdx.y) * uint32(TM)
+        span0 = uint32(cuda.blockIdx.x) * uint32(keys_per_block)
+        span1 = min(span0 + uint32(keys_per_block), ngroups)
+        n_pages = int32(index_cache.shape[0])
+        rpp = uint32(index_cache.shape[1])
+        tcols = uint32(index_block_table.shape[1])
+
+        if tid < uint32(TM):
+            i = row0 + tid
+            rq = int32(-1)
+            nbv = int32(0)
+            if i < rows:
+                rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
+            r_req[tid] = rq
+            r_nb[tid] = min(nbv, int32(ngroups))
+
+        # A fragments of this warp's 16 (row, head) pairs, straight from global memory
+        wrow0 = row0 + warp * uint32(RW)
+        if IS16:
+            g = lane >> U2
+            t = lane & U3
+            for ks in range(KS):
+                for j in range(4):
+                    m = g + U8 * (uint32(j) & uint32(1))
+                    col = uint32(16 * ks) + U2 * t + U8 * (uint32(j) >> uint32(1))
+                    qrow = wrow0 + m // uint32(HI)
+                    h = m % uint32(HI)
+                    w = uint32(0)
+                    if qrow < rows:
+                        w = pack(qi[qrow, h, col], qi[qrow, h, col + uint32(1)])
+                    a_reg[ks * 4 + j] = w
+        else:
+            q = (lane >> U2) & U3
+            m = (lane & U3) + U4 * (lane >> uint32(4)) + U8 * (q & uint32(1))
+            qrow = wrow0 + m // uint32(HI)
+            h = m % uint32(HI)
+            for ks in range(KS * 4):
+                for j in range(2):
+                    col = uint32(4 * ks) + U2 * uint32(j)
+                    w = uint32(0)
+                    if qrow < rows:
+                        w = pack(qi[qrow, h, col], qi[qrow, h, col + uint32(1)])
+                    a_reg[ks * 2 + j] = w
+        cuda.syncthreads()
+
+        e0 = span0
+        while e0 < span1:
+            for s in range(TM):
+                target = r_req[s]
+                first = target >= int32(0)
+                nbmax = int32(0)
+                for s2 in range(TM):
+                    if r_req[s2] == target:
+                        if s2 < s:
+                            first = False
+                        nbmax = max(nbmax, r_nb[s2])
+                if first and int32(e0) < nbmax:       # uniform across the block
+                    for idx in range(tid, uint32(TN * DIW), uint32(NT)):
+                        kk = idx // uint32(DIW)
+                        wd = idx - kk * uint32(DIW)
+                        ek = e0 + kk
+                        v = uint32(0)
+                        if int32(ek) < nbmax:
+                            col = ek // rpp
+                            if col < tcols:
+                                page = int32(index_block_table[target, col])
+                                if page >= int32(0) and page < n_pages:
+                                    rr_ = ek - col * rpp
+                                    v = pack(index_cache[page, rr_, U2 * wd],
+                                             index_cache[page, rr_, U2 * wd + uint32(1)])
+                        k_s[kk, wd] = v
+                    cuda.syncthreads()
+                    if IS16:
+                        g = lane >> U2
+                        t = lane & U3
+                        for nt in range(TN // 8):
+                            acc = (F0, F0, F0, F0)
+                            for ks in range(KS):
+                                n = uint32(8 * nt) + g
+                                kw = uint32(8 * ks) + t
+                                b = (k_s[n, kw], k_s[n, kw + U4])
+                                a = (a_reg[ks * 4], a_reg[ks * 4 + 1], a_reg[ks * 4 + 2],
+                                     a_reg[ks * 4 + 3])
+                                acc = mma16(a, b, acc, scr[warp], lane)
+                            for ii in range(4):
+                                v = max(acc[ii], F0)
+                                if HI >= 16:
+                                    v += max(acc[ii ^ 2], F0)
+                                if HI >= 2:
+                                    v = _xor_add(v, uint32(4), lane, xs[warp])
+                                if HI >= 4:
+                                    v = _xor_add(v, uint32(8), lane, xs[warp])
+                                if HI >= 8:
+                                    v = _xor_add(v, uint32(16), lane, xs[warp])
+                                m = g + U8 * (uint32(ii) >> uint32(1))
+                                if (m & uint32(HB)) == uint32(0):
+                                    rl = warp * uint32(RW) + m // uint32(HI)
+                                    e = e0 + uint32(8 * nt) + U2 * t + (uint32(ii) & uint32(1))
+                                    if (row0 + rl < rows and r_req[rl] == target
+                                            and int32(e) < r_nb[rl] and e < span1):
+                                        scores[row0 + rl, e] = v * inv_sqrt
+                    else:
+                        q = (lane >> U2) & U3
+                        hi4 = lane >> uint32(4)
+                        for nt in range(TN // 16):
+                            acc = (F0, F0, F0, F0, F0, F0, F0, F0)
+                            n = uint32(16 * nt) + U8 * (q >> uint32(1)) + (lane & U3) + U4 * hi4
+                            for ks in range(KS * 4):
+                                acc = mma884(a_reg[ks * 2], a_reg[ks * 2 + 1],
+                                             k_s[n, uint32(2 * ks)], k_s[n, uint32(2 * ks + 1)],
+                                             acc, scr[warp], lane)
+                            for ii in range(8):
+                                v = max(acc[ii], F0)
+                                if HI >= 4:
+                                    v += max(acc[ii ^ 2], F0)
+                                if HI >= 2:
+                                    v = _xor_add(v, uint32(1), lane, xs[warp])
+                                if HI >= 8:
+                                    v = _xor_add(v, uint32(16), lane, xs[warp])
+                                if HI >= 16:
+                                    v = _xor_add(v, uint32(4), lane, xs[warp])
+                                m = ((lane & uint32(1)) + (uint32(ii) & U2) + U4 * hi4
+                                     + U8 * (q & uint32(1)))
+                                if (m & uint32(HB)) == uint32(0):
+                                    rl = warp * uint32(RW) + m // uint32(HI)
+                                    e = (e0 + uint32(16 * nt) + U8 * (q >> uint32(1))
+                                         + (uint32(ii) & U4) + (lane & U2) + (uint32(ii) & uint32(1)))
+                                    if (row0 + rl < rows and r_req[rl] == target
+                                            and int32(e) < r_nb[rl] and e < span1):
+                                        scores[row0 + rl, e] = v * inv_sqrt
+                    cuda.syncthreads()
+            # -inf past each row's nb (and for inert rows): one coalesced sweep of the tile
+            for idx in range(tid, uint32(TM * TN), uint32(NT)):
+                rl = idx // uint32(TN)
+                e = e0 + (idx - rl * uint32(TN))
+                if row0 + rl < rows and e < span1 and int32(e) >= r_nb[rl]:
+                    scores[row0 + rl, e] = NEG_INF
+            e0 += uint32(TN)
+
+    tiled_scores.rows_per_block = TM
+    tiled_scores.threads = NT
+    tiled_scores.keys_per_tile = TN
+    return tiled_scores
+
+
+def launch_tiled(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
+                 profile, stream, r=4):
+    """Launch the tensor-core route (``profile.scores.mma`` picks m16n8k16 or m8n8k4)."""
+    rows, groups = scores.shape
+    if rows == 0 or groups == 0:
+        return scores
+    k = make_tiled_scores_kernel(profile.scores.mma, int(qi.shape[1]), int(qi.shape[2]), int(r))
+    row_tiles = -(-rows // k.rows_per_block)
+    span = light_keys_per_block(row_tiles, groups, k.keys_per_tile, profile.sm_count)
+    grid = (-(-groups // span), row_tiles)
+    k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+                               np.int32(span), scores)
+    return scores
+
+
 def _light_case(dtype, hi=4, di=128, r=4):
     k = make_light_scores_kernel(hi, di, r)
     sig = (f"void({dtype}[:, :, :], {dtype}[:, :, :], int32[:, :], int32[:], int32[:], int32[:], "
@@ -193,3 +450,9 @@ for _dt in ("float16", "float32"):
     _k, _sig, _nt = _light_case(_dt)
     for _cc in ((7, 0), (9, 0)):
         RESOURCE_CASES.append((f"index_scores.light.{_dt}", _k, _sig, _nt, 0, _cc))
+for _kind, _ccs in (("m16n8k16", ((9, 0),)), ("m8n8k4", ((7, 0), (9, 0)))):
+    _k = make_tiled_scores_kernel(_kind, 4, 128, 4)
+    _sig = ("void(float16[:, :, :], float16[:, :, :], int32[:, :], int32[:], int32[:], int32[:], "
+            "int32, float32[:, :])")
+    for _cc in _ccs:
+        RESOURCE_CASES.append((f"index_scores.tiled.{_kind}", _k, _sig, _k.threads, 0, _cc))

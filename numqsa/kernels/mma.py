@@ -37,20 +37,24 @@ and ``load_*`` helpers gather fragments from any 2-D array (shared memory, usual
 
 Simulator. The simulator has neither inline PTX nor warp shuffles, so there each mma is a stand-in
 with the same signature: every lane writes its A/B registers into ``scratch`` (a per-warp uint32
-region of shared memory the caller allocates, :data:`SCRATCH_WORDS` words per warp), then
-``cuda.syncthreads()``, each lane computes its own D elements in float32 from the layouts above,
-``cuda.syncthreads()`` again. Hence, in kernels that use these primitives:
+region of shared memory the caller allocates, :data:`SCRATCH_WORDS` words per warp), waits for the
+other 31 lanes of its warp (a barrier keyed by the scratch region, not ``syncthreads``), then
+computes its own D elements in float32 from the layouts above (alternate calls use alternate
+halves of the scratch, so the next call cannot overwrite what a slow lane still reads). Hence, in kernels that use these primitives (the same rules as mma.sync):
 
-- every lane of every warp of the block must call the mma together, the same number of times
-  (no mma under a lane- or warp-dependent branch; let idle warps compute on zeros);
+- all 32 lanes of a warp call the mma together (never under a lane-dependent branch); blocks are
+  whole warps. Different warps may run different numbers of mmas. A lane left waiting raises after
+  two minutes instead of hanging.
 - each warp passes its own scratch row, e.g. ``scr = cuda.shared.array((WARPS, SCRATCH_WORDS),
-  uint32)`` then ``mma_...(..., scr[warp], lane)`` with ``lane = threadIdx.x % 32``.
+  uint32)`` then ``mma_...(..., scr[warp], lane)`` with ``lane = threadIdx.x % 32``. Import the
+  name (``from numqsa.kernels.mma import SCRATCH_WORDS``) or close over it: written as
+  ``mma.SCRATCH_WORDS`` inside a kernel it is not a compile-time constant and the shape fails to type.
 
 On the GPU ``scratch`` and ``lane`` are ignored and :data:`SCRATCH_WORDS` is 1, so the scratch
-costs nothing there. Beware that the extra ``syncthreads`` of the stand-in can hide a missing
-barrier of the kernel itself in the simulator: the GPU run remains the judge of that.
+costs nothing there (the unused shared array is optimised away).
 """
 import functools
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -71,12 +75,14 @@ __all__ = [
     "load_a_m16n8k16_u32", "load_bt_m16n8k16_u32",
     "load_a_m8n8k4", "load_b_m8n8k4", "load_bt_m8n8k4",
     "load_a_m8n8k4_u32", "load_bt_m8n8k4_u32",
-    "make_demo_gemm_kernel", "demo_gemm", "RESOURCE_CASES",
+    "store_c_m16n8k16", "store_c_m8n8k4", "c_pair_to_a_f16", "c_pair_to_a_bf16",
+    "DEMO_KINDS", "make_demo_gemm_kernel", "demo_gemm", "RESOURCE_CASES",
 ]
 
-# uint32 words per warp the simulator stand-ins exchange through: A then B registers of all lanes.
-SIM_SCRATCH_WORDS_M16N8K16 = 32 * 4 + 32 * 2   # 192
-SIM_SCRATCH_WORDS_M8N8K4 = 32 * 2 + 32 * 2     # 128
+# uint32 words per warp the simulator stand-ins exchange through: the A then B registers of all 32
+# lanes, twice (alternate calls use alternate halves, so one warp barrier per mma suffices).
+SIM_SCRATCH_WORDS_M16N8K16 = 2 * (32 * 4 + 32 * 2)   # 384
+SIM_SCRATCH_WORDS_M8N8K4 = 2 * (32 * 2 + 32 * 2)     # 256
 # What a kernel allocates per warp (uint32): enough for either shape in the simulator, 1 on a GPU.
 SCRATCH_WORDS = SIM_SCRATCH_WORDS_M16N8K16 if SIMULATOR else 1
 
@@ -154,20 +160,22 @@ def _gpu_mma_m8n8k4_f16(typingctx, a0, a1, b0, b1, c, scratch, lane):
     return sig, codegen
 
 
-def _is_b16(ty):
-    return ty == types.float16 or str(ty) in ("bfloat16", "__nv_bfloat16")
+def _is_bf16(ty):
+    return str(ty) in ("bfloat16", "__nv_bfloat16")
+
+
+def _pack_bits_codegen(context, builder, sig, args):
+    """Two 16-bit scalars (float16 / bfloat16 are i16 in numba-cuda's data model) -> one word."""
+    i32 = ir.IntType(32)
+    lo32 = builder.zext(args[0], i32)
+    hi32 = builder.zext(args[1], i32)
+    return builder.or_(lo32, builder.shl(hi32, ir.Constant(i32, 16)))
 
 
 @intrinsic
 def _gpu_pack_f16x2(typingctx, lo, hi):
-    if _is_b16(lo) and _is_b16(hi) and lo == hi:
-        # Bits as they are: float16 is an i16 in numba-cuda's data model.
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            lo32 = builder.zext(args[0], i32)
-            hi32 = builder.zext(args[1], i32)
-            return builder.or_(lo32, builder.shl(hi32, ir.Constant(i32, 16)))
-        return types.uint32(lo, hi), codegen
+    if lo == types.float16 and hi == types.float16:
+        return types.uint32(lo, hi), _pack_bits_codegen
     if isinstance(lo, (types.Float, types.Integer)) and isinstance(hi, (types.Float, types.Integer)):
         # Round to nearest even, like float16(x); two scalar cvt so sm_70 assembles it too.
         def codegen(context, builder, sig, args):
@@ -185,6 +193,8 @@ def _gpu_pack_f16x2(typingctx, lo, hi):
 
 @intrinsic
 def _gpu_pack_bf16x2(typingctx, lo, hi):
+    if _is_bf16(lo) and _is_bf16(hi):
+        return types.uint32(lo, hi), _pack_bits_codegen
     if not (isinstance(lo, (types.Float, types.Integer))
             and isinstance(hi, (types.Float, types.Integer))):
         return None
@@ -272,41 +282,76 @@ _A16816, _B16816 = _table_16816()
 _A884, _B884 = _table_884()
 
 
-def _sim_words(scratch, n):
+_WARP_BARRIERS = {}
+_WARP_BARRIERS_LOCK = threading.Lock()
+# A lane that waits this long for its warp is in a kernel whose lanes do not all reach the mma.
+_WARP_BARRIER_TIMEOUT_S = 120.0
+_LANE = threading.local()   # per simulated thread: mma calls made per scratch region
+
+
+def _warp_sync(key):
+    """Barrier of the 32 lanes sharing one scratch region (one warp), like mma.sync's own
+    convergence: cheaper than the simulator's block-wide syncthreads, and other warps may differ."""
+    with _WARP_BARRIERS_LOCK:
+        bar = _WARP_BARRIERS.get(key)
+        if bar is None or bar.broken:
+            bar = _WARP_BARRIERS[key] = threading.Barrier(32)
+    try:
+        bar.wait(timeout=_WARP_BARRIER_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise RuntimeError("mma stand-in: not all 32 lanes of the warp reached the mma "
+                           "(lane-dependent branch, or a block that is not whole warps)") from None
+
+
+def _sim_buffer(scratch, need):
+    """(this call's half of the warp's scratch as uint32 words, barrier key).
+
+    Call n of a warp writes half n % 2, waits for the warp, and reads it. A lane can only write
+    that half again at call n + 2, after every lane has reached call n + 1's barrier, that is,
+    after every lane has finished reading call n: one barrier per call is enough."""
     words = np.asarray(scratch).reshape(-1).view(np.uint32)
-    if words.size < n:
-        raise ValueError(f"mma scratch has {words.size} words per warp, needs {n} (SCRATCH_WORDS)")
-    return words
+    if words.size < need:
+        raise ValueError(f"mma scratch has {words.size} words per warp, needs {need} "
+                         "(allocate SCRATCH_WORDS per warp)")
+    bd = cuda.blockDim
+    if (bd.x * bd.y * bd.z) % 32:
+        raise ValueError("mma needs whole warps: the block size must be a multiple of 32")
+    key = words.__array_interface__["data"][0]
+    calls = getattr(_LANE, "calls", None)
+    if calls is None:
+        calls = _LANE.calls = {}
+    n = calls.get(key, 0)
+    calls[key] = n + 1
+    half = need // 2
+    return words[(n & 1) * half:(n & 1) * half + half], key
 
 
-def _f16_values(words, n):
-    return words[:n].view(np.float16).astype(np.float32)
+def _f16_values(words):
+    return words.view(np.float16).astype(np.float32)
 
 
-def _bf16_values(words, n):
-    w = words[:n].astype(np.uint32)
-    halves = np.empty(2 * n, np.uint32)
-    halves[0::2] = (w & np.uint32(0xFFFF)) << np.uint32(16)
-    halves[1::2] = w & np.uint32(0xFFFF0000)
+def _bf16_values(words):
+    halves = np.empty(2 * words.size, np.uint32)
+    halves[0::2] = (words & np.uint32(0xFFFF)) << np.uint32(16)
+    halves[1::2] = words & np.uint32(0xFFFF0000)
     return halves.view(np.float32)
 
 
 def _sim_mma16816(a, b, c, scratch, lane, values):
     lane = int(lane)
-    words = _sim_words(scratch, SIM_SCRATCH_WORDS_M16N8K16)
+    words, key = _sim_buffer(scratch, SIM_SCRATCH_WORDS_M16N8K16)
     for j in range(4):
         words[4 * lane + j] = a[j]
     for j in range(2):
         words[128 + 2 * lane + j] = b[j]
-    cuda.syncthreads()
-    vals = values(words, SIM_SCRATCH_WORDS_M16N8K16)
+    _warp_sync(key)
+    vals = values(words)
     g, t = lane >> 2, lane & 3
     out = []
     for i in range(4):
         row, col = g + 8 * (i >> 1), 2 * t + (i & 1)
         prod = np.dot(vals[_A16816[row]], vals[_B16816[:, col]])
         out.append(np.float32(np.float32(c[i]) + prod))
-    cuda.syncthreads()
     return tuple(out)
 
 
@@ -320,13 +365,13 @@ def _sim_mma_m16n8k16_bf16(a, b, c, scratch, lane):
 
 def _sim_mma_m8n8k4_f16(a0, a1, b0, b1, c, scratch, lane):
     lane = int(lane)
-    words = _sim_words(scratch, SIM_SCRATCH_WORDS_M8N8K4)
+    words, key = _sim_buffer(scratch, SIM_SCRATCH_WORDS_M8N8K4)
     words[2 * lane] = a0
     words[2 * lane + 1] = a1
     words[64 + 2 * lane] = b0
     words[64 + 2 * lane + 1] = b1
-    cuda.syncthreads()
-    vals = _f16_values(words, SIM_SCRATCH_WORDS_M8N8K4)
+    _warp_sync(key)
+    vals = _f16_values(words)
     q, hi = (lane >> 2) & 3, lane >> 4
     out = []
     for i in range(8):
@@ -334,12 +379,12 @@ def _sim_mma_m8n8k4_f16(a0, a1, b0, b1, c, scratch, lane):
         col = (i & 4) + (lane & 2) + (i & 1)
         prod = np.dot(vals[_A884[q, row]], vals[_B884[q, :, col]])
         out.append(np.float32(np.float32(c[i]) + prod))
-    cuda.syncthreads()
     return tuple(out)
 
 
 def _sim_pack_f16x2(lo, hi):
-    return np.array([lo, hi], dtype=np.float16).view(np.uint32)[0]
+    with np.errstate(over="ignore"):   # float32 beyond float16's range rounds to inf, as cvt.rn
+        return np.array([lo, hi], dtype=np.float16).view(np.uint32)[0]
 
 
 def _sim_pack_bf16x2(lo, hi):
@@ -388,7 +433,8 @@ uint32 holding float16(lo) in the low and float16(hi) in the high half. float16 
 taken bit for bit; float32 (or int) arguments are rounded to nearest even.""")
 
 pack_bf16x2 = _pick(_sim_pack_bf16x2, _gpu_pack_bf16x2, """\
-uint32 holding bfloat16(lo) low, bfloat16(hi) high, rounded to nearest even (cvt.rn, sm_80+).""")
+uint32 holding bfloat16(lo) low, bfloat16(hi) high: bfloat16 arguments bit for bit, float32 (or
+int) arguments rounded to nearest even (cvt.rn.bf16x2.f32, sm_80+).""")
 
 unpack_f16x2 = _pick(_sim_unpack_f16x2, _gpu_unpack_f16x2, """\
 (lo, hi) float16 halves of a uint32.""")
@@ -462,7 +508,8 @@ def m8n8k4_c_pos(lane, i):
 # ------------------------------------------------------------------------------------------------
 # Fragment loaders. ``s`` is any 2-D array (float16 taken bit for bit, float32 rounded); the
 # ``_u32`` forms read a uint32 array whose word [x, kw] holds elements k = 2*kw (low), 2*kw + 1.
-# No bounds checks: stage zero-padded tiles.
+# No bounds checks: stage zero-padded tiles. In shared memory, a row stride of S words with
+# S % 8 == 4 (e.g. 16 float16 + 8 padding = 12 words) makes the m16n8k16 _u32 loads conflict-free.
 # ------------------------------------------------------------------------------------------------
 
 @device_jit(forceinline=True)
@@ -550,6 +597,43 @@ def load_bt_m8n8k4_u32(w, n0, kw0, lane):
     """(b0, b1) from packed B^T words: quad-pair rows (n) n0..n0+7, words kw0, kw0+1."""
     n = uint32(n0) + (uint32(lane) & uint32(3)) + uint32(4) * (uint32(lane) >> uint32(4))
     return uint32(w[n, uint32(kw0)]), uint32(w[n, uint32(kw0) + uint32(1)])
+
+
+@device_jit(forceinline=True)
+def store_c_m16n8k16(s, r0, c0, d, lane):
+    """s[r0:r0+16, c0:c0+8] = the m16n8k16 accumulators d (cast to s's dtype)."""
+    r = uint32(r0) + (uint32(lane) >> uint32(2))
+    c = uint32(c0) + uint32(2) * (uint32(lane) & uint32(3))
+    s[r, c] = d[0]
+    s[r, c + uint32(1)] = d[1]
+    s[r + uint32(8), c] = d[2]
+    s[r + uint32(8), c + uint32(1)] = d[3]
+
+
+@device_jit(forceinline=True)
+def store_c_m8n8k4(s, r0, c0, d, lane):
+    """s[r0:r0+8, c0:c0+8] = this lane's quad-pair accumulators d (r0, c0 per quad-pair)."""
+    ln = uint32(lane)
+    r = uint32(r0) + (ln & uint32(1)) + uint32(4) * (ln >> uint32(4))
+    c = uint32(c0) + (ln & uint32(2))
+    for i in range(8):
+        ii = uint32(i)
+        s[r + (ii & uint32(2)), c + (ii & uint32(4)) + (ii & uint32(1))] = d[i]
+
+
+@device_jit(forceinline=True)
+def c_pair_to_a_f16(d0, d1):
+    """A fragment (float16) of a 16x16 tile held as two m16n8k16 accumulators: d0 its cols 0..7,
+    d1 cols 8..15 (e.g. softmax P of two key tiles, then P @ V without leaving registers)."""
+    return (pack_f16x2(d0[0], d0[1]), pack_f16x2(d0[2], d0[3]),
+            pack_f16x2(d1[0], d1[1]), pack_f16x2(d1[2], d1[3]))
+
+
+@device_jit(forceinline=True)
+def c_pair_to_a_bf16(d0, d1):
+    """As :func:`c_pair_to_a_f16`, rounding to bfloat16 (sm_80+)."""
+    return (pack_bf16x2(d0[0], d0[1]), pack_bf16x2(d0[2], d0[3]),
+            pack_bf16x2(d1[0], d1[1]), pack_bf16x2(d1[2], d1[3]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -721,15 +805,14 @@ def demo_gemm(a, b, kind="m16n8k16", warps=4, stream=0):
 
 
 def _resource_cases():
+    """The demo kernels (4 warps): m16n8k16 needs sm_80+, so it is built for sm_90 only."""
     cases = []
-    for kind, dt, ccs in (("m16n8k16", "float16", [(9, 0)]),
-                          ("m16n8k16_bf16", "float32", [(9, 0)]),
-                          ("m8n8k4", "float16", [(7, 0), (9, 0)])):
+    for kind, dt, cc in (("m16n8k16", "float16", (9, 0)),
+                         ("m16n8k16_bf16", "float32", (9, 0)),
+                         ("m8n8k4", "float16", None)):
         k = make_demo_gemm_kernel(kind, 4)
-        fn = getattr(k, "py_func", k)
         sig = f"void({dt}[:, ::1], {dt}[:, ::1], float32[:, ::1])"
-        for cc in ccs:
-            cases.append((f"mma_demo_{kind}_sm{cc[0]}{cc[1]}", fn, sig, 128, 0, cc))
+        cases.append((f"mma_demo_{kind}", getattr(k, "py_func", k), sig, 128, 0, cc))
     return cases
 
 

@@ -1,0 +1,257 @@
+"""Selection benchmark: index scores (tiled / light), top-k, expansion and the fused chain.
+
+One request, query rows at the last positions of a T-token context, page size 64 in random physical
+order, Hi 4, Di 128, r 4, Kb 512, float16. Times are medians of CUDA-event timings over reps after a
+warm-up, with L2 flushed (a 256 MB write) before each rep. One line per case, then JSON with device,
+versions and git revision to the path given.
+
+    python bench/bench_selection.py results/selection.json [--quick]
+
+Rates are against the H200's 777 TFLOP/s (fp16 dense, measured torch matmul) and 4.24 TB/s
+(measured device-to-device copy). Minimal counts (oracle docstrings): scores FLOP 2*Hi*Di*sum(nb),
+bytes rows*Hi*Di*2 + G*Di*2 + rows*G*4; top-k bytes rows*G*4 + rows*Kb*4; expansion bytes
+rows*Kb*4 + rows*W*4; chain = scores + the top-k's writes + expansion.
+TRT-LLM reference on this H200: scores 0.32 / top-k 0.66 / expand 0.04 ms at 4096 x 32K;
+2.52 / 4.26 / 0.55 ms at 8192 x 131K.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+from numba import cuda
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PEAK_TFLOPS = 777.0
+PEAK_TBS = 4.24
+HI, DI, R, KB = 4, 128, 4, 512
+TRT_MS = {(4096, 32768): dict(scores=0.32, topk=0.66, expand=0.04),
+          (8192, 131072): dict(scores=2.52, topk=4.26, expand=0.55)}
+
+
+def make_inputs(rows, ctx, seed=0):
+    """Device arrays of one request: rows at positions ctx-rows..ctx-1, pages shuffled."""
+    from numba import cuda
+    rng = np.random.default_rng(seed)
+    ps = 64
+    G = ctx // R
+    npages = -(-ctx // ps)
+    table = rng.permutation(npages).astype(np.int32)[None, :]
+    icache = rng.standard_normal((npages, ps // R, DI)).astype(np.float16)
+    qi = rng.standard_normal((rows, HI, DI)).astype(np.float16)
+    req = np.zeros(rows, np.int32)
+    pos = np.arange(ctx - rows, ctx, dtype=np.int32)
+    lens = np.array([ctx], np.int32)
+    host = dict(qi=qi, index_cache=icache, index_block_table=table, req_ids=req, positions=pos,
+                seq_lens=lens)
+    dev = {k: cuda.to_device(v) for k, v in host.items()}
+    nb = (pos + 1) // R
+    return host, dev, G, int(nb.sum())
+
+
+@cuda.jit
+def _fill(buf):
+    i = cuda.grid(1)
+    if i < buf.size:
+        buf[i] = 0.0
+
+
+class Timer:
+    def __init__(self, stream, tiny=False):
+        from numba import cuda
+        self.tiny = tiny
+        self.cuda = cuda
+        self.stream = stream
+        self.flush_buf = cuda.device_array(64 if tiny else 64 * 1024 * 1024, np.float32)  # 256 MB > L2
+        self.fill = _fill[(self.flush_buf.size + 255) // 256, 256, stream]
+
+    def flush(self):
+        self.fill(self.flush_buf)
+
+    def __call__(self, fn, reps=10, warmup=2):
+        cuda = self.cuda
+        if self.tiny:
+            reps, warmup = 1, 0
+        for _ in range(warmup):
+            fn()
+        cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            self.flush()
+            a, b = cuda.event(), cuda.event()
+            a.record(self.stream)
+            fn()
+            b.record(self.stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b) if self.tiny else cuda.event_elapsed_time(a, b))
+        return float(np.median(times))
+
+
+def line(name, rows, ctx, ms, flop=None, nbytes=None, extra=""):
+    tf = flop / ms / 1e9 if flop else None
+    gbs = nbytes / ms / 1e6 if nbytes else None
+    s = f"{name:22s} rows={rows:6d} ctx={ctx:7d} {ms:9.3f} ms"
+    if tf is not None:
+        s += f" {tf:8.2f} TFLOP/s ({100 * tf / PEAK_TFLOPS:5.1f}%)"
+    if gbs is not None:
+        s += f" {gbs:8.1f} GB/s ({100 * gbs / 1e3 / PEAK_TBS:5.1f}%)"
+    print(s + extra, flush=True)
+    return dict(name=name, rows=rows, ctx=ctx, ms=ms, tflops=tf, gbs=gbs)
+
+
+def torch_route(host, G):
+    """PyTorch eager baseline: fp32 matmul + relu + head sum, torch.topk, expansion."""
+    import torch
+    dev = torch.device("cuda")
+    q = torch.from_numpy(host["qi"]).to(dev).float()
+    icache = torch.from_numpy(host["index_cache"]).to(dev)
+    table = torch.from_numpy(host["index_block_table"]).to(dev).long()
+    pos = torch.from_numpy(host["positions"]).to(dev).long()
+    e = torch.arange(G, device=dev)
+    rows_pp = icache.shape[1]
+    nb = (pos + 1) // R
+
+    def scores():
+        keys = icache[table[0, e // rows_pp], e % rows_pp].float()          # [G, Di]
+        s = torch.relu(torch.einsum("rhd,gd->rhg", q, keys)).sum(1) / DI ** 0.5
+        return s.masked_fill(e[None, :] >= nb[:, None], float("-inf"))
+
+    def topk(s):
+        return torch.topk(s, min(KB, G), dim=1).indices.sort(dim=1).values
+
+    def expand(g):
+        tok = (g[:, :, None] * R + torch.arange(R, device=dev)).flatten(1)
+        tail = R * nb[:, None] + torch.arange(R - 1, device=dev)[None, :]
+        tail = torch.where(tail <= pos[:, None], tail, -1)
+        return torch.cat([tok, tail], 1)
+
+    return torch, scores, topk, expand
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json_out")
+    ap.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # simulator smoke test
+    args = ap.parse_args()
+
+    from numba import cuda
+    from numqsa import selection as sel
+    from numqsa.kernels import expand as KE, index_scores as KS, topk as KT
+    from numqsa.device import device_cc
+    from numqsa.plan import arch_profile
+
+    t_start = time.time()
+    cc = device_cc()
+    prof = arch_profile(cc)
+    stream = cuda.default_stream()
+    timer = Timer(stream, args.tiny)
+    results = []
+    cases = [(1024, 8192), (1024, 32768), (1024, 131072), (8192, 8192), (8192, 32768),
+             (8192, 131072), (4096, 32768)]
+    if args.quick:
+        cases = [(1024, 32768), (8192, 131072)]
+    if args.tiny:
+        cases = [(8, 2304)]
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+
+    for rows, ctx in cases:
+        host, d, G, nbsum = make_inputs(rows, ctx)
+        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
+                            "seq_lens")]
+        sc = cuda.device_array((rows, G), np.float32)
+        groups = cuda.device_array((rows, KB), np.int32)
+        tokens = cuda.device_array((rows, KB * R + R - 1), np.int32)
+        counts = cuda.device_array(rows, np.int32)
+        flop = 2.0 * HI * DI * nbsum
+        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
+        tbytes = rows * G * 4 + rows * KB * 4
+        ebytes = rows * KB * 4 + rows * (KB * R + R - 1) * 4
+        trt = TRT_MS.get((rows, ctx), {})
+
+        def ref(stage):
+            return f"  (TRT-LLM {trt[stage]:.2f} ms)" if stage in trt else ""
+
+        ms = timer(lambda: KS.launch_tiled(*a, sc, prof, stream))
+        results.append(line("scores.tiled", rows, ctx, ms, flop, sbytes, ref("scores")))
+        if rows * G <= 8192 * 32768:
+            ms = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=3, warmup=1)
+            results.append(line("scores.light", rows, ctx, ms, flop, sbytes))
+        bits = sc.view(np.uint32)
+        ms = timer(lambda: KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream))
+        results.append(line("topk", rows, ctx, ms, None, tbytes, ref("topk")))
+        ms = timer(lambda: KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream))
+        results.append(line("expand", rows, ctx, ms, None, ebytes, ref("expand")))
+        def chain():
+            KS.launch_tiled(*a, sc, prof, stream)
+            KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream)
+            KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream)
+        ms = timer(chain)
+        results.append(line("chain.kernels", rows, ctx, ms, flop, sbytes + tbytes + ebytes))
+        out = (tokens, counts, groups)
+        ws = sc.reshape(-1)
+        ms = timer(lambda: sel.select(*a, Kb=KB, out=out, stream=stream, workspace=ws))
+        chain_ref = f"  (TRT-LLM sum {sum(trt.values()):.2f} ms)" if trt else ""
+        results.append(line("select.api", rows, ctx, ms, flop, sbytes + tbytes + ebytes,
+                            chain_ref + " incl. host-side validation"))
+        if have_torch and rows * G <= 8192 * 32768 * 4:
+            torch, t_scores, t_topk, t_expand = torch_route(host, G)
+            ts = t_scores()
+            ms_s = timer(t_scores, reps=5)
+            ms_t = timer(lambda: t_topk(ts), reps=5)
+            tg = t_topk(ts)
+            ms_e = timer(lambda: t_expand(tg), reps=5)
+            results.append(line("torch.scores", rows, ctx, ms_s, flop, sbytes))
+            results.append(line("torch.topk", rows, ctx, ms_t, None, tbytes))
+            results.append(line("torch.expand", rows, ctx, ms_e, None, ebytes))
+            del ts, tg
+            torch.cuda.empty_cache()
+        del sc
+
+    # crossover: tiled vs light at one context
+    ctx = 32768
+    sweep = [1024, 2048, 4096, 8192, 16384, 32768]
+    sweep = [1024, 4096] if args.quick else [] if args.tiny else sweep
+    for rows in sweep:
+        if time.time() - t_start > 150:
+            print("(crossover sweep cut short: 150 s budget)")
+            break
+        host, d, G, nbsum = make_inputs(rows, ctx)
+        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
+                            "seq_lens")]
+        sc = cuda.device_array((rows, G), np.float32)
+        flop = 2.0 * HI * DI * nbsum
+        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
+        ms_t = timer(lambda: KS.launch_tiled(*a, sc, prof, stream), reps=3, warmup=1)
+        ms_l = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=3, warmup=1)
+        results.append(line("crossover.tiled", rows, ctx, ms_t, flop, sbytes))
+        results.append(line("crossover.light", rows, ctx, ms_l, flop, sbytes))
+        del sc
+
+    try:
+        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        rev = None
+    import numba
+    name = getattr(cuda.get_current_device(), "name", "numba simulator")
+    meta = dict(device=name.decode() if isinstance(name, bytes) else str(name), cc=list(cc), profile=prof.name, numba=numba.__version__, numpy=np.__version__,
+                python=platform.python_version(), git=rev, peak_tflops=PEAK_TFLOPS,
+                peak_tbs=PEAK_TBS, seconds=time.time() - t_start)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"wrote {args.json_out} ({meta['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Sparse attention over the selection (spec §6) and the page-4 route (spec §7).
+
+``out[i, h] = sum_{t in S_i} softmax_t(scale <q[i,h], K[t, h // (Hq/Hkv)]>) V[t, h // (Hq/Hkv)]``.
+
+Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=``,
+``stream=`` (and ``out_dtype=`` for the attention outputs): validate (``oracle.validate``, before any
+launch) -> move to the device (:mod:`numqsa.device`; device arrays and CUDA tensors are used in place,
+strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> launch -> NumPy back if
+the query was NumPy, else device arrays.
+
+Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
+profile's ``page4_min_rows`` rows on, the page-4 plan plus the grouped tensor-core kernel
+(:mod:`numqsa.kernels.page4`). ``NUMQSA_PAGE4=0`` forces the generic route.
+"""
+import numpy as np
+
+from oracle import validate as V
+
+from . import device as dev
+from .kernels import attention as _generic
+from .kernels import page4 as _page4
+from .plan import plan_attention
+
+__all__ = ["sparse_attention", "page4_plan", "page4_attention", "route"]
+
+_KERNEL_FLOATS = ("float16", "float32")
+
+
+def _float_dtype(x, name):
+    dt = V.dtype_name(x)
+    if dt not in _KERNEL_FLOATS:
+        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take {', '.join(_KERNEL_FLOATS)}")
+    return dt
+
+
+def _dev(x, stream):
+    """numba device arrays pass through untouched (strides and all); the rest via numqsa.device."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "copy_to_host"):
+        return x
+    return dev.as_device(x, stream)[0]
+
+
+def _ints(x, stream):
+    """Device int32 array of a small integer array (int64 inputs are converted on the host)."""
+    if V.dtype_name(x) != "int32":
+        x = V.host_ints(x).astype(np.int32)
+    return _dev(x, stream)
+
+
+def _out(out, shape, dtype, stream, name):
+    if out is None:
+        return dev.empty(shape, dtype, stream)
+    if tuple(out.shape) != tuple(shape) or V.dtype_name(out) != np.dtype(dtype).name:
+        raise V.QSAInputError(f"{name} must be {np.dtype(dtype).name} {tuple(shape)}, got "
+                              f"{V.dtype_name(out)} {tuple(out.shape)}")
+    return _dev(out, stream)
+
+
+def _finish(result, was_host, out, stream):
+    if not was_host:
+        return result
+    host = dev.host_like(result, True, stream)
+    if isinstance(out, np.ndarray):
+        out[...] = host
+        return out
+    return host
+
+
+def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
+    r = V.check_r(r)
+    (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
+    V.check_batch(req_ids, np.zeros(rows, np.int32), seq_lens)
+    num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
+    hq = V.check_q(q, rows, hkv, d)
+    qd = _float_dtype(q, "q")
+    kd = _float_dtype(k_cache, "k_cache")
+    return r, rows, num_pages, page_size, hkv, d, hq, qd, kd
+
+
+def _out_dtype(out_dtype, qd):
+    name = qd if out_dtype is None else np.dtype(out_dtype).name
+    if name not in _KERNEL_FLOATS:
+        raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(_KERNEL_FLOATS)})")
+    return name
+
+
+def _page4_unsupported(qd, kd, d, r):
+    """Why the grouped tensor-core kernel cannot take a problem ('' if it can)."""
+    if qd != "float16" or kd != "float16":
+        return f"it multiplies float16 on tensor cores (q {qd}, cache {kd}); float32 goes generic"
+    if d % 32:
+        return f"head dim {d} is not a multiple of 32"
+    if r != 4:
+        return f"its virtual pages are 4 tokens (r = {r})"
+    return ""
+
+
+def route(rows, page_size, r=4, cc=None):
+    """The :class:`numqsa.plan.AttentionPlan` the public functions follow on this device."""
+    return plan_attention(rows, dev.device_cc() if cc is None else cc, page_size, r)
+
+
+def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
+                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None):
+    """``(out [rows, Hq, D], lse float32 [rows, Hq])`` over ``S_i = tokens[i, :counts[i]]``.
+
+    Mirrors :func:`oracle.sparse_attention`. ``out`` (optional) may be a tuple ``(out, lse)`` of
+    preallocated buffers. The output dtype is the query's unless ``out_dtype`` (float16/float32).
+    Inert rows and rows whose ids are out of range (the kernels check; the API checks the table)
+    give 0 / ``-inf``. ``route_name`` ("generic" or "page4") overrides the planned route (tests and
+    benchmarks); the page-4 route needs selections of whole aligned groups plus one tail run.
+    """
+    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
+                                                                      seq_lens, r)
+    V.check_selection(tokens, counts, rows, r)
+    V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+    od = _out_dtype(out_dtype, qd)
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    plan = route(rows, page_size, r)
+    name = route_name or plan.route
+    if name not in ("generic", "page4"):
+        raise V.QSAInputError(f"unknown route {name!r}")
+    why = _page4_unsupported(qd, kd, d, r)
+    if name == "page4" and why:
+        if route_name == "page4":
+            raise V.QSAInputError(f"the page-4 route cannot run this problem: {why}")
+        name = "generic"
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(q)
+    qd_, kc, vc = (_dev(x, stream) for x in (q, k_cache, v_cache))
+    tab, tok, cnt, rid, lens = (_ints(x, stream) for x in (block_table, tokens, counts, req_ids,
+                                                            seq_lens))
+    out_buf, lse_buf = (None, None) if out is None else out
+    o = _out(out_buf, (rows, hq, d), od, stream, "out")
+    lse = _out(lse_buf, (rows, hq), "float32", stream, "lse")
+    if name == "page4":
+        pages, nv, tl = _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, plan.profile,
+                                     stream)
+        _page4.launch_page4(qd_, kc, vc, pages, nv, tl, rid, scale, o, lse, plan.profile, stream, r,
+                            keysrc=tok, req_ids_host=V.host_ints(req_ids))
+    else:
+        _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
+                                  stream)
+    return (_finish(o, was_host, out_buf, stream), _finish(lse, was_host, lse_buf, stream))
+
+
+def _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, profile, stream):
+    rows, width = tok.shape
+    kb = (width - (r - 1)) // r
+    pages = dev.empty((rows, kb + 1, 2), "int32", stream)
+    nv = dev.empty((rows,), "int32", stream)
+    tl = dev.empty((rows,), "int32", stream)
+    geometry = dev.as_device(np.array([num_pages, page_size], np.int32), stream)[0]
+    _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, profile, stream, r)
+    return pages, nv, tl
+
+
+def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num_pages, r=4,
+               out=None, stream=None):
+    """``(pages int32 [rows, Kb+1, 2], num_vpages int32 [rows], tail_len int32 [rows])``.
+
+    Mirrors :func:`oracle.page4_plan`: each selected group as ``(physical page, first slot)`` in
+    logical order, the partial tail page (1..r-1 tokens) last; malformed rows and rows needing an
+    out-of-range page id become inert (``num_vpages = 0``). ``out`` may be a tuple of the three buffers.
+    """
+    r = V.check_r(r)
+    rows, _ = V.check_batch(req_ids, np.zeros(np.shape(req_ids)[0], np.int32), seq_lens)
+    kb = V.check_selection(tokens, counts, rows, r)
+    if page_size % r:
+        raise V.QSAInputError(f"page_size {page_size} is not a multiple of r = {r}")
+    V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(tokens)
+    tok, cnt, tab, rid, lens = (_ints(x, stream) for x in (tokens, counts, block_table, req_ids,
+                                                            seq_lens))
+    prof = route(rows, page_size, r).profile
+    bufs = (None, None, None) if out is None else out
+    pages = _out(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
+    nv = _out(bufs[1], (rows,), "int32", stream, "num_vpages")
+    tl = _out(bufs[2], (rows,), "int32", stream, "tail_len")
+    geometry = dev.as_device(np.array([num_pages, page_size], np.int32), stream)[0]
+    _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, prof, stream, r)
+    return tuple(_finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
+
+
+def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *, scale=None, r=4,
+                    out_dtype=None, out=None, stream=None):
+    """``(out, lse)`` over a page-4 plan with the grouped tensor-core kernel.
+
+    Mirrors :func:`oracle.page4_attention`. Rows are grouped ``group_rows`` at a time (the launch
+    profile's) among adjacent rows of one request; each row attends to exactly its own pages, and its
+    result does not depend on the group it lands in (see :mod:`numqsa.kernels.page4`).
+    """
+    r = V.check_r(r)
+    (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
+    num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
+    hq = V.check_q(q, rows, hkv, d)
+    qd = _float_dtype(q, "q")
+    _float_dtype(k_cache, "k_cache")
+    ps = V._rank(pages, "pages", 3, "[rows, Kb+1, 2]")
+    if ps[0] != rows or ps[2] != 2:
+        raise V.QSAInputError(f"pages shape {ps} does not match {rows} rows x (page, slot)")
+    why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r)
+    if why:
+        raise V.QSAInputError(f"page4_attention: {why}")
+    od = _out_dtype(out_dtype, qd)
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    prof = route(rows, page_size, r).profile
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(q)
+    qd_, kc, vc = (_dev(x, stream) for x in (q, k_cache, v_cache))
+    pg, nv, tl, rid = (_ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
+    out_buf, lse_buf = (None, None) if out is None else out
+    o = _out(out_buf, (rows, hq, d), od, stream, "out")
+    lse = _out(lse_buf, (rows, hq), "float32", stream, "lse")
+    _page4.launch_page4(qd_, kc, vc, pg, nv, tl, rid, scale, o, lse, prof, stream, r)
+    return (_finish(o, was_host, out_buf, stream), _finish(lse, was_host, lse_buf, stream))

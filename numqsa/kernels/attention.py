@@ -1,0 +1,245 @@
+"""Generic sparse attention (spec §6): each query row attends to its selected tokens through the page table.
+
+Any page size, any K/V element strides (contiguous, interleaved ``kv[:, 0]``, head-major views are
+read in place), any token order. float32 FMA arithmetic; inputs float16/float32 (bfloat16 where numba
+types it), output in the query dtype or float32.
+
+Reduction order (what makes results bitwise reproducible and independent of page placement and of
+the other rows of the batch): a row's tokens are consumed in list order in chunks of ``r`` = 4
+consecutive entries -- for a selection as the expansion stage writes it (ascending whole groups, then
+the tail) a chunk is exactly one logical group, the "virtual page" of spec §7 -- and the online
+softmax updates its running max, rescales, then adds the chunk's terms in order. The page-4 grouped
+route (:mod:`numqsa.kernels.page4`) uses the same per-page chunking.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from ..jit import SIMULATOR, jit
+
+__all__ = ["make_attention_kernel", "launch_attention", "attention_tile", "RESOURCE_CASES"]
+
+SMEM_BUDGET = 44 * 1024      # static shared memory we allow one block (V100: 48 KB per block)
+CHUNK = 4                    # tokens per online-softmax step: one logical group (r = 4)
+
+
+def attention_tile(d, hg):
+    """Tokens staged per step: 16 if the float32 tiles fit the shared-memory budget, else 8 or 4."""
+    for tile in (16, 8, 4):
+        if _smem_bytes(d, hg, tile) <= SMEM_BUDGET:
+            return tile
+    raise ValueError(f"head dim {d} with {hg} query heads per KV head does not fit shared memory")
+
+
+def _smem_bytes(d, hg, tile):
+    return 4 * (hg * d + tile * (d + 1) + tile * d + hg * tile + hg * (tile // CHUNK) + 2 * tile) + 4
+
+
+@functools.lru_cache(maxsize=None)
+def make_attention_kernel(d, hg, threads):
+    """Kernel over grid ``(rows, Hkv)``; block = ``threads`` threads = one (row, KV head) pair.
+
+    The block serves the ``hg = Hq // Hkv`` query heads of its KV head. Per step it stages
+    ``T`` = :func:`attention_tile` selected tokens: their (page, slot) into shared memory, then K and V
+    (converted to float32; K rows padded to ``d + 1`` words so the per-token dot products do not
+    collide on a bank). Thread ``e < hg*T`` computes the score of (head ``e // T``, token ``e % T``)
+    as one sequential d-ordered dot product; thread ``h < hg`` runs head ``h``'s online softmax over
+    the ``T / 4`` chunks; every thread owns the output elements ``e = tid + i*threads`` of the
+    ``hg x d`` block (register accumulators) and applies each chunk's rescale and terms in order.
+    Before anything, the row's token ids are checked (``0 <= t < seq_len``, table column and page
+    id in range): any bad id makes the row inert, so the kernel never reads out of bounds.
+    Shared memory: ``4*(hg*d + T*(d+1) + T*d + hg*T + hg*T/4 + 2T) + 4`` bytes
+    (hg 6, d 256, T 16: 39.8 KB; hg 12, d 256: 45.9 KB -> T 8).
+    """
+    D, HG, NT = int(d), int(hg), int(threads)
+    T = attention_tile(D, HG)
+    NCH = T // CHUNK
+    DP = D + 1
+    NPER = -(-HG * D // NT)
+    UD, UT, UNT, UCH, UHG = uint32(D), uint32(T), uint32(NT), uint32(CHUNK), uint32(HG)
+    U0, U1 = uint32(0), uint32(1)
+    NEG_INF = float32(-math.inf)
+    F0, F1 = float32(0), float32(1)
+
+    def kernel(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale, out, lse):
+        sq = cuda.shared.array((HG, D), float32)
+        sk = cuda.shared.array((T, DP), float32)
+        sv = cuda.shared.array((T, D), float32)
+        sp = cuda.shared.array((HG, T), float32)       # scores, then probabilities
+        sa = cuda.shared.array((HG, NCH), float32)     # per-chunk rescale factors
+        spage = cuda.shared.array(T, int32)
+        sslot = cuda.shared.array(T, int32)
+        sflag = cuda.shared.array(1, int32)
+        tid = uint32(cuda.threadIdx.x)
+        row = uint32(cuda.blockIdx.x)
+        j = uint32(cuda.blockIdx.y)
+        num_pages = int32(k_cache.shape[0])
+        page_size = int32(k_cache.shape[1])
+        cols = int32(block_table.shape[1])
+        width = int32(tokens.shape[1])
+
+        req = int32(req_ids[row])
+        slen = int32(0)
+        if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(block_table.shape[0]):
+            slen = int32(seq_lens[req])
+        n = int32(0)
+        if slen > int32(0):
+            n = min(max(int32(counts[row]), int32(0)), width)
+        if tid == U0:
+            sflag[0] = int32(0)
+        cuda.syncthreads()
+        for k in range(tid, uint32(n), UNT):
+            t = int32(tokens[row, k])
+            bad = t < int32(0) or t >= slen
+            if not bad:
+                c = t // page_size
+                bad = c >= cols
+                if not bad:
+                    pg = int32(block_table[req, c])
+                    bad = pg < int32(0) or pg >= num_pages
+            if bad:
+                sflag[0] = int32(1)
+        cuda.syncthreads()
+        if sflag[0] != int32(0):
+            n = int32(0)
+
+        for e in range(tid, UHG * UD, UNT):
+            h = e // UD
+            dd = e - h * UD
+            sq[h, dd] = float32(q[row, j * UHG + h, dd])
+        m = NEG_INF       # running max and sum of head tid (threads tid < HG)
+        l = F0
+        acc = cuda.local.array(NPER, float32)
+        for i in range(NPER):
+            acc[i] = F0
+
+        for base in range(int32(0), n, int32(T)):
+            if tid < UT:
+                kk = base + int32(tid)
+                pg = int32(0)
+                sl = int32(-1)
+                if kk < n:
+                    t = int32(tokens[row, kk])
+                    pg = int32(block_table[req, t // page_size])
+                    sl = t - (t // page_size) * page_size
+                spage[tid] = pg
+                sslot[tid] = sl
+            cuda.syncthreads()
+            for e in range(tid, UT * UD, UNT):
+                tt = e // UD
+                dd = e - tt * UD
+                sl = sslot[tt]
+                kv = F0
+                vv = F0
+                if sl >= int32(0):
+                    kv = float32(k_cache[spage[tt], sl, j, dd])
+                    vv = float32(v_cache[spage[tt], sl, j, dd])
+                sk[tt, dd] = kv
+                sv[tt, dd] = vv
+            cuda.syncthreads()
+            for e in range(tid, UHG * UT, UNT):
+                h = e // UT
+                tt = e - h * UT
+                s = NEG_INF
+                if sslot[tt] >= int32(0):
+                    dot = F0
+                    for dd in range(UD):
+                        dot += sq[h, dd] * sk[tt, dd]
+                    s = dot * scale
+                sp[h, tt] = s
+            cuda.syncthreads()
+            if tid < UHG:
+                for c in range(UCH):
+                    t0 = c * UCH
+                    cmax = NEG_INF
+                    for x in range(UCH):
+                        cmax = max(cmax, sp[tid, t0 + x])
+                    alpha = F1
+                    if cmax > m:     # max unchanged -> alpha exactly 1, as if rescaled by exp(0)
+                        alpha = F0
+                        if m != NEG_INF:
+                            alpha = math.exp(m - cmax)
+                        m = cmax
+                    l *= alpha
+                    for x in range(UCH):
+                        s = sp[tid, t0 + x]
+                        p = F0
+                        if s != NEG_INF:
+                            p = math.exp(s - m)
+                        l += p
+                        sp[tid, t0 + x] = p
+                    sa[tid, c] = alpha
+            cuda.syncthreads()
+            for i in range(NPER):
+                e = tid + uint32(i) * UNT
+                if e < UHG * UD:
+                    h = e // UD
+                    dd = e - h * UD
+                    o = acc[i]
+                    for c in range(UCH):
+                        o *= sa[h, c]
+                        for x in range(UCH):
+                            o += sp[h, c * UCH + x] * sv[c * UCH + x, dd]
+                    acc[i] = o
+            cuda.syncthreads()
+
+        if tid < UHG:
+            sp[tid, 0] = l
+            lv = NEG_INF
+            if l > F0:
+                lv = m + math.log(l)
+            lse[row, j * UHG + tid] = lv
+        cuda.syncthreads()
+        for i in range(NPER):
+            e = tid + uint32(i) * UNT
+            if e < UHG * UD:
+                h = e // UD
+                dd = e - h * UD
+                lh = sp[h, 0]
+                o = F0
+                if lh > F0:
+                    o = acc[i] / lh
+                out[row, j * UHG + h, dd] = o
+
+    kernel.__name__ = f"sparse_attention_d{D}_g{HG}_t{NT}"
+    kernel.__qualname__ = kernel.__name__
+    k = jit(kernel)
+    k.threads = NT
+    k.tile = T
+    return k
+
+
+def generic_threads(profile):
+    """Threads per block: the profile's, fewer in the simulator (one OS thread per CUDA thread)."""
+    return 64 if SIMULATOR else int(profile.attention.threads)
+
+
+def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale,
+                     out, lse, profile, stream):
+    """Generic route on device arrays; ``out [rows, Hq, D]`` and ``lse [rows, Hq]`` float32 are written."""
+    rows, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if rows == 0:
+        return out, lse
+    k = make_attention_kernel(int(d), int(hq // hkv), generic_threads(profile))
+    k[(rows, hkv), k.threads, stream](q, k_cache, v_cache, block_table, tokens, counts, req_ids,
+                                      seq_lens, np.float32(scale), out, lse)
+    return out, lse
+
+
+def _resource_cases():
+    cases = []
+    for dt in ("float16", "float32"):
+        for hg in (6, 12):
+            k = make_attention_kernel(256, hg, 128)
+            sig = (f"void({dt}[:, :, :], {dt}[:, :, :, :], {dt}[:, :, :, :], int32[:, :], int32[:, :], "
+                   f"int32[:], int32[:], int32[:], float32, {dt}[:, :, :], float32[:, :])")
+            if dt == "float32" and hg == 12:
+                continue
+            cases.append((f"attention_generic_{dt}_g{hg}", k, sig, 128, 0, None))
+    return cases
+
+
+RESOURCE_CASES = _resource_cases()

@@ -1,0 +1,353 @@
+"""Selection (spec §3-§5): pre-indexer, index scores, top-k groups, expansion, and the fused ``select``.
+
+Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=`` and
+``stream=``: validate (``oracle.validate``, before any launch) -> move to the device
+(:mod:`numqsa.device`) -> plan (:func:`numqsa.plan.plan_select`) -> launch -> NumPy back if the inputs
+were NumPy, else device arrays (no copies of device inputs; any strides).
+
+Kernels: :mod:`numqsa.kernels.index_keys`, :mod:`~numqsa.kernels.index_scores`,
+:mod:`~numqsa.kernels.topk`, :mod:`~numqsa.kernels.expand`.
+"""
+import numpy as np
+
+from oracle import validate as V
+from oracle.batch import row_states
+
+from . import device as dev
+from .kernels import expand as _expand
+from .kernels import index_keys as _pre
+from .kernels import index_scores as _scores
+from .kernels import topk as _topk
+from .plan import plan_select
+
+__all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand_tokens", "select",
+           "SELECT_SCORE_BYTES"]
+
+#: Fused ``select``: the float32 score block of one row chunk stays below this many bytes, so at 1M
+#: tokens (262,144 groups) a chunk is 1,024 rows and 16,384 rows need 1 GiB of scores, not 16 GiB.
+SELECT_SCORE_BYTES = 1 << 30
+
+_KERNEL_FLOATS = ("float16", "float32")
+
+
+def _dev(x, stream):
+    """``(device_array, was_host)``; numba device arrays pass straight through (also in the simulator)."""
+    if hasattr(x, "copy_to_host") and not isinstance(x, np.ndarray):
+        return x, False
+    return dev.as_device(x, stream)
+
+
+def _float_dtype(x, name):
+    dt = V.dtype_name(x)
+    if dt not in _KERNEL_FLOATS:
+        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take {', '.join(_KERNEL_FLOATS)}")
+    return dt
+
+
+def _ints(x, stream):
+    """Device int32 view of a small integer array (int64 inputs are converted, on the host)."""
+    if V.dtype_name(x) != "int32":
+        x = V.host_ints(x).astype(np.int32)
+    return _dev(x, stream)[0]
+
+
+def _dummy_ints(stream):
+    return _dev(np.zeros(1, np.int32), stream)[0]
+
+
+def _rope_positions(rope_positions, n, stream, name):
+    if rope_positions is None:
+        return _dummy_ints(stream), False
+    (m,) = V._rank(rope_positions, "rope_positions", 1, f"[{name}]")
+    if m != n:
+        raise V.QSAInputError(f"rope_positions has {m} entries, expected {n} ({name})")
+    return _ints(rope_positions, stream), True
+
+
+def _emulate_f16(emulate_dtype):
+    if emulate_dtype is None:
+        return False
+    name = np.dtype(emulate_dtype).name
+    if name == "float32":
+        return False          # rounding a float32 mean to float32 changes nothing
+    if name == "float16":
+        return True
+    raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
+
+
+def _out(out, shape, dtype, stream, name):
+    if out is None:
+        return dev.empty(shape, dtype, stream)
+    if tuple(out.shape) != tuple(shape) or V.dtype_name(out) != np.dtype(dtype).name:
+        raise V.QSAInputError(f"out for {name} must be {np.dtype(dtype).name} {tuple(shape)}, got "
+                              f"{V.dtype_name(out)} {tuple(out.shape)}")
+    return _dev(out, stream)[0]
+
+
+def _finish(result, was_host, out, stream):
+    """NumPy back for NumPy callers (into ``out`` if it was a NumPy array)."""
+    if not was_host:
+        return result
+    host = dev.host_like(result, True, stream)
+    if isinstance(out, np.ndarray):
+        out[...] = host
+        return out
+    return host
+
+
+def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
+               rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None):
+    """Compressed keys ``kc[g] = rope(gnorm(mean(k_raw[g]), w_k), r * group_ids[g])``, stored in place.
+
+    Shapes: ``k_raw [G, r, Di]`` -> ``kc float32 [G, Di]`` (before rounding to the cache dtype); each
+    key is also written to ``index_cache[index_block_table[q, e // R], e % R]`` in the cache's dtype
+    (a NumPy cache is updated in place too). Pooling in float32; ``emulate_dtype=float16`` rounds the
+    mean to float16 before the norm, as the serving engines' references do.
+    """
+    s = V._rank(k_raw, "k_raw", 3, "[G, r, Di]")
+    G, r, di = s
+    _float_dtype(k_raw, "k_raw")
+    if tuple(w_k.shape) != (di,):
+        raise V.QSAInputError(f"w_k must have shape ({di},), got {tuple(w_k.shape)}")
+    if rot % 2 or rot > di:
+        raise V.QSAInputError(f"rot = {rot} must be even and <= Di = {di}")
+    ic = V.check_index_cache(index_cache)
+    _float_dtype(index_cache, "index_cache")
+    if ic[2] != di:
+        raise V.QSAInputError(f"index_cache Di = {ic[2]} differs from k_raw's Di = {di}")
+    reqs, eids = V.host_ints(group_req_ids), V.host_ints(group_ids)
+    if reqs.shape != (G,) or eids.shape != (G,):
+        raise V.QSAInputError(f"group_req_ids {reqs.shape} and group_ids {eids.shape} must be ({G},)")
+    tab = V.host_ints(index_block_table)
+    if tab.ndim != 2:
+        raise V.QSAInputError(f"index_block_table must have rank 2, got shape {tab.shape}")
+    for g in range(G):
+        q, e = int(reqs[g]), int(eids[g])
+        if not 0 <= q < tab.shape[0] or e < 0:
+            raise V.QSAInputError(f"group {g}: request {q} / group id {e} out of range")
+        c = e // ic[1]
+        if c >= tab.shape[1] or not 0 <= tab[q, c] < ic[0]:
+            page = tab[q, c] if c < tab.shape[1] else "missing"
+            raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
+                                  f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
+    emulate = _emulate_f16(emulate_dtype)
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(k_raw)
+    d_k = _dev(k_raw, stream)[0]
+    d_w = _dev(w_k, stream)[0]
+    d_ic, ic_host = _dev(index_cache, stream)
+    rp, has_rp = _rope_positions(rope_positions, G, stream, "G")
+    kc = _out(out, (G, di), np.float32, stream, "index_keys")
+    _pre.launch_index_keys(d_k, d_w, _ints(group_req_ids, stream), _ints(group_ids, stream), rp,
+                           has_rp, d_ic, _ints(index_block_table, stream), kc, stream, eps=eps,
+                           rot=rot, theta=theta, emulate_f16=emulate)
+    if ic_host:
+        index_cache[...] = d_ic.copy_to_host(stream=stream)
+        stream.synchronize()
+    return _finish(kc, was_host, out, stream)
+
+
+def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
+                  rope_positions=None, out=None, stream=None):
+    """Index queries ``qi[i, h] = rope(gnorm(q_raw[i, h], w_q), p_i)``; inert rows 0.
+
+    Shapes: ``q_raw [rows, Hi, Di]`` -> ``[rows, Hi, Di]`` in ``q_raw``'s dtype (float32 math).
+    """
+    rows, _ = V.check_batch(req_ids, positions, seq_lens)
+    s = V._rank(q_raw, "q_raw", 3, "[rows, Hi, Di]")
+    dt = _float_dtype(q_raw, "q_raw")
+    if s[0] != rows:
+        raise V.QSAInputError(f"q_raw must be [rows={rows}, Hi, Di], got shape {s}")
+    if tuple(w_q.shape) != (s[2],):
+        raise V.QSAInputError(f"w_q must have shape ({s[2]},), got {tuple(w_q.shape)}")
+    if rot % 2 or rot > s[2]:
+        raise V.QSAInputError(f"rot = {rot} must be even and <= Di = {s[2]}")
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(q_raw)
+    rp, has_rp = _rope_positions(rope_positions, rows, stream, "rows")
+    qi = _out(out, s, dt, stream, "index_queries")
+    _pre.launch_index_queries(_dev(q_raw, stream)[0], _dev(w_q, stream)[0],
+                              _ints(req_ids, stream), _ints(positions, stream),
+                              _ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
+                              theta=theta)
+    return _finish(qi, was_host, out, stream)
+
+
+def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r):
+    r = V.check_r(r)
+    rows, _ = V.check_batch(req_ids, positions, seq_lens)
+    n_pages, rows_per_page, di = V.check_index_cache(index_cache)
+    V.check_index_q(qi, rows, di)
+    _float_dtype(qi, "qi")
+    _float_dtype(index_cache, "index_cache")
+    V.check_table(index_block_table, seq_lens, units_per_page=rows_per_page, num_pages=n_pages,
+                  r=r, name="index_block_table")
+    return r, rows
+
+
+def _default_groups(seq_lens, r):
+    lens = V.host_ints(seq_lens)
+    return int(lens.max()) // r if lens.size else 0
+
+
+def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
+    """Route and launch one score block (device arrays). Returns the route taken."""
+    rows, groups = scores.shape
+    plan = plan_select(rows, groups, dev.device_cc())
+    route = route or plan.scores_route
+    if route == "tiled" and _scores.tiled_supported(qi, ic):
+        _scores.launch_tiled(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)
+        return "tiled"
+    _scores.launch_light(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)
+    return "light"
+
+
+def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, r=4,
+                 num_groups=None, out=None, stream=None):
+    """``score[i, e] = sum_h relu(<qi[i, h], kc[e]>) / sqrt(Di)`` for ``e < nb_i``, else ``-inf``.
+
+    Shapes: ``qi [rows, Hi, Di]``, ``index_cache [pages, R, Di]`` (any strides) ->
+    ``float32 [rows, num_groups]`` (default ``max(seq_lens) // r``). Tensor-core tiles for long
+    prefill (float16 inputs, :func:`numqsa.plan.plan_select`), a light fp32 kernel otherwise.
+    """
+    r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
+                                   seq_lens, r)
+    if num_groups is None:
+        num_groups = _default_groups(seq_lens, r)
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(qi)
+    scores = _out(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
+    _launch_scores(_dev(qi, stream)[0], _dev(index_cache, stream)[0],
+                   _ints(index_block_table, stream), _ints(req_ids, stream),
+                   _ints(positions, stream), _ints(seq_lens, stream), scores, r, stream)
+    return _finish(scores, was_host, out, stream)
+
+
+def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None):
+    """Row ``i`` keeps ``min(Kb, nb_i)`` groups by (score desc, group id asc), ascending, -1 padded.
+
+    The rule is applied bitwise to float32 scores (``-0.0 == +0.0``); NumPy scores of another dtype
+    are rounded to float32 first, device scores must already be C-contiguous float32 (not checked
+    for NaN: visible scores must not be NaN). Shapes: ``scores [rows, G]`` -> ``int32 [rows, Kb]``.
+    """
+    r = V.check_r(r)
+    rows, _ = V.check_batch(req_ids, positions, seq_lens)
+    s = V._rank(scores, "scores", 2, "[rows, groups]")
+    if s[0] != rows:
+        raise V.QSAInputError(f"scores must be [rows={rows}, groups], got shape {s}")
+    if Kb < 1:
+        raise V.QSAInputError(f"Kb must be >= 1, got {Kb}")
+    _, _, _, nb = row_states(V.host_ints(req_ids), V.host_ints(positions), V.host_ints(seq_lens), r)
+    if nb.size and int(nb.max()) > s[1]:
+        raise V.QSAInputError(f"scores has {s[1]} groups but a row sees {int(nb.max())}")
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(scores)
+    if was_host:
+        if np.isnan(np.where(np.arange(s[1])[None, :] < nb[:, None], scores, 0)).any():
+            raise V.QSAInputError("scores has NaN among a row's visible groups")
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+    elif V.dtype_name(scores) != "float32":
+        raise V.QSAInputError(f"device scores must be float32, got {V.dtype_name(scores)}")
+    d_s = _dev(scores, stream)[0]
+    if not d_s.is_c_contiguous():
+        raise V.QSAInputError("device scores must be C-contiguous (they are read as uint32 bits)")
+    groups = _out(out, (rows, int(Kb)), np.int32, stream, "topk_groups")
+    _topk.launch_topk(d_s.view(np.uint32), _ints(req_ids, stream), _ints(positions, stream),
+                      _ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
+                      stream, r=r)
+    return _finish(groups, was_host, out, stream)
+
+
+def _check_groups_host(g, req_ids, positions, seq_lens, r):
+    """The expansion kernel reads groups as top-k writes them: ascending ids < nb, then -1."""
+    _, _, _, nb = row_states(V.host_ints(req_ids), V.host_ints(positions), V.host_ints(seq_lens), r)
+    for i in range(g.shape[0]):
+        row = g[i]
+        valid = row >= 0
+        n = int(valid.sum())
+        if n and (not valid[:n].all() or np.any(np.diff(row[:n]) <= 0) or row[n - 1] >= nb[i]):
+            raise V.QSAInputError(f"groups row {i} must hold ascending ids in 0..{nb[i] - 1} "
+                                  f"followed by -1 padding")
+
+
+def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream=None):
+    """Token ids of the selected groups, ascending, then the forced tail ``r*nb .. p``.
+
+    ``groups [rows, Kb]`` (ascending ids ``< nb``, then -1, as :func:`topk_groups` writes them;
+    checked for NumPy inputs) -> ``(tokens int32 [rows, Kb*r + r - 1], counts int32 [rows])``.
+    ``out`` may be a ``(tokens, counts)`` pair.
+    """
+    r = V.check_r(r)
+    rows, _ = V.check_batch(req_ids, positions, seq_lens)
+    gs = V._rank(groups, "groups", 2, "[rows, Kb]")
+    if gs[0] != rows:
+        raise V.QSAInputError(f"groups must be [rows={rows}, Kb], got shape {gs}")
+    V._dtype(groups, "groups", ("int32",))
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(groups)
+    if was_host:
+        _check_groups_host(groups, req_ids, positions, seq_lens, r)
+    out_t, out_c = out if out is not None else (None, None)
+    tokens = _out(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens")
+    counts = _out(out_c, (rows,), np.int32, stream, "counts")
+    prof = plan_select(rows, 0, dev.device_cc()).profile
+    _expand.launch_expand(_dev(groups, stream)[0], _ints(req_ids, stream),
+                          _ints(positions, stream), _ints(seq_lens, stream), tokens, counts, prof,
+                          stream, r=r)
+    return _finish(tokens, was_host, out_t, stream), _finish(counts, was_host, out_c, stream)
+
+
+def select_chunk_rows(rows, num_groups, budget=None):
+    """Rows per chunk of the fused ``select`` so one float32 score block fits ``budget`` bytes."""
+    budget = SELECT_SCORE_BYTES if budget is None else budget
+    if num_groups == 0:
+        return max(1, rows)
+    return max(1, min(rows, budget // (4 * num_groups)))
+
+
+def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512, r=4,
+           out=None, stream=None, score_bytes=None, workspace=None):
+    """Scores -> top-k -> expansion on the device: ``(tokens, counts, groups)``.
+
+    Rows are processed in chunks whose float32 score block stays under ``score_bytes``
+    (:data:`SELECT_SCORE_BYTES`, 1 GiB), reused from chunk to chunk. Peak extra device memory:
+    ``min(rows, score_bytes // (4*G)) * G * 4`` bytes of scores (``G = max(seq_lens) // r``), plus
+    the outputs ``rows * (Kb*r + r - 1 + Kb + 1) * 4`` bytes and the int32 copies of small index
+    arrays. 16,384 rows at 1M tokens: 1 GiB of scores + 0.17 GiB of outputs.
+    ``out`` may be a ``(tokens, counts, groups)`` triple; ``workspace`` a 1-D float32 device array
+    of at least ``chunk * G`` elements to hold the scores (saves the allocation on repeated calls).
+    """
+    r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
+                                   seq_lens, r)
+    if Kb < 1:
+        raise V.QSAInputError(f"Kb must be >= 1, got {Kb}")
+    G = _default_groups(seq_lens, r)
+    stream = dev.resolve_stream(stream)
+    was_host = dev.is_host(qi)
+    out_t, out_c, out_g = out if out is not None else (None, None, None)
+    tokens = _out(out_t, (rows, Kb * r + r - 1), np.int32, stream, "tokens")
+    counts = _out(out_c, (rows,), np.int32, stream, "counts")
+    groups = _out(out_g, (rows, int(Kb)), np.int32, stream, "groups")
+    d_qi = _dev(qi, stream)[0]
+    d_ic = _dev(index_cache, stream)[0]
+    d_ibt = _ints(index_block_table, stream)
+    req, pos, lens = _ints(req_ids, stream), _ints(positions, stream), _ints(seq_lens, stream)
+    prof = plan_select(rows, G, dev.device_cc()).profile
+    chunk = select_chunk_rows(rows, G, score_bytes)
+    width = max(G, 1)
+    if workspace is not None and rows:
+        if V.dtype_name(workspace) != "float32" or workspace.size < chunk * width:
+            raise V.QSAInputError(f"workspace must be float32 with >= {chunk * width} elements")
+        buf = _dev(workspace, stream)[0].reshape(-1)[:chunk * width].reshape(chunk, width)
+    else:
+        buf = dev.empty((chunk, width), np.float32, stream) if rows else None
+    for a in range(0, rows, chunk):
+        b = min(rows, a + chunk)
+        sc = buf[:b - a]
+        _launch_scores(d_qi[a:b], d_ic, d_ibt, req[a:b], pos[a:b], lens, sc, r, stream)
+        _topk.launch_topk(sc.view(np.uint32), req[a:b], pos[a:b], lens, groups[a:b], prof, stream,
+                          r=r)
+    if rows:
+        _expand.launch_expand(groups, req, pos, lens, tokens, counts, prof, stream, r=r)
+    return (_finish(tokens, was_host, out_t, stream), _finish(counts, was_host, out_c, stream),
+            _finish(groups, was_host, out_g, stream))
