@@ -6,29 +6,33 @@
 #   bash bench/gpu_session.sh [--bench] [pytest -k expression]
 set -u -o pipefail
 OUT=${OUT:-/tmp/numqsa-out}
-mkdir -p "$OUT"
+LOG=/tmp/numqsa-logs          # the device returns at most 8 files: logs travel as one tarball
+mkdir -p "$OUT" "$LOG"
 export NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
 BENCH=0; [ "${1:-}" = "--bench" ] && { BENCH=1; shift; }
 K=${1:-}
 summary=()
-step() {   # step NAME LOGFILE CMD...: run, keep the log, remember pass/fail and the duration
-    local name=$1 log=$2; shift 2
+step() {   # step NAME LOGFILE SECONDS CMD...: run with a time limit, keep the log, note the outcome
+    local name=$1 log=$2 limit=$3; shift 3
     local t0=$SECONDS
-    "$@" >"$OUT/$log" 2>&1; local rc=$?
-    summary+=("$(printf '%-34s %-6s %4ds  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)) "$(grep -E '^(=+ .* =+|[0-9]+ passed.*)$' "$OUT/$log" | tail -1)")")
-    tail -n 3 "$OUT/$log"
+    timeout "$limit" "$@" >"$LOG/$log" 2>&1; local rc=$?
+    summary+=("$(printf '%-34s %-6s %4ds  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)) "$(grep -E '^(=+ .* =+|[0-9]+ (passed|failed).*)$' "$LOG/$log" | tail -1)")")
+    tail -n 3 "$LOG/$log"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import numba, numba.cuda, numpy; print('numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/device.txt"
+python3 -c "import numba, numba.cuda, numpy; print('numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$LOG/device.txt"
+echo "git ${NUMQSA_REV:-$(git rev-parse HEAD 2>/dev/null)}" | tee -a "$LOG/device.txt"
 
-step "pytest -m gpu (sm_90)" gpu_sm90.log python3 -m pytest -m gpu -q -p no:cacheprovider ${K:+-k "$K"} tests
-step "pytest -m gpu (NUMQSA_ARCH=sm_70)" gpu_sm70.log env NUMQSA_ARCH=sm_70 python3 -m pytest -m gpu -q -p no:cacheprovider ${K:+-k "$K"} tests
-step "main job" main.log python3 -m numqsa
+step "pytest -m gpu (sm_90)" gpu_sm90.log 270 python3 -m pytest -m gpu -q -p no:cacheprovider ${K:+-k "$K"} tests
+step "pytest -m gpu (NUMQSA_ARCH=sm_70)" gpu_sm70.log 200 env NUMQSA_ARCH=sm_70 python3 -m pytest -m gpu -q -p no:cacheprovider ${K:+-k "$K"} tests
+step "main job" main.log 60 python3 -m numqsa
 if command -v compute-sanitizer >/dev/null; then
-    step "compute-sanitizer memcheck" sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_cases.py
+    step "compute-sanitizer memcheck" sanitizer.log 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_cases.py
 fi
 if [ $BENCH = 1 ]; then
-    step "bench" bench.log python3 bench/run.py --json "$OUT/bench.json"
+    step "bench selection" bench_selection.log 240 python3 bench/bench_selection.py "$OUT/selection.json"
+    step "bench attention" bench_attention.log 300 python3 bench/bench_attention.py --json "$OUT/attention.json"
 fi
-echo; printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+echo; printf '%s\n' "${summary[@]}" | tee "$LOG/summary.txt"
+cp "$LOG/summary.txt" "$OUT/"
+tar czf "$OUT/logs.tgz" -C "$LOG" .

@@ -309,30 +309,6 @@ def test_select_chunk_rows():
 # GPU tier: real shapes (skipped in the simulator)
 # ------------------------------------------------------------------------------------------------
 
-def _reference_scores(P):
-    """Oracle scores (float64) for a one-request problem, computed on the GPU in float64 chunks when
-    torch is present (the oracle's formula, faster), else with the NumPy oracle."""
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            raise ImportError
-    except ImportError:
-        return _scores_expect(P)
-    lens, r = P["seq_lens"], 4
-    G = int(lens.max()) // r
-    keys = oracle.selection.gather_index_keys(P["index_cache"], P["index_block_table"], 0, G)
-    kt = torch.from_numpy(keys).cuda()
-    live, _, _, nb = oracle.row_states(P["req_ids"], P["positions"], lens, r)
-    out = np.full((P["qi"].shape[0], G), -np.inf)
-    di = keys.shape[1]
-    for a in range(0, out.shape[0], 512):
-        q = torch.from_numpy(P["qi"][a:a + 512].astype(np.float64)).cuda()
-        s = (torch.einsum("rhd,gd->rhg", q, kt).clamp_min(0).sum(1) / np.sqrt(di)).cpu().numpy()
-        vis = np.arange(G)[None, :] < nb[a:a + 512, None]
-        out[a:a + 512] = np.where(vis & live[a:a + 512, None], s, -np.inf)
-    return out
-
-
 GPU_CASES = [(1024, 32768), (8192, 32768), (1024, 131072), (8192, 131072)]
 
 
@@ -343,7 +319,7 @@ def test_gpu_select_real_shapes(rows, ctx, seed):
     P = make_problem([ctx], [rows], page_size=64, dtype=np.float16, seed=seed)
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
     tokens, counts, groups = sel.select(*d, Kb=512)
-    ref = _reference_scores(P)
+    ref = _scores_expect(P)
     assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(), counts.copy_to_host(),
                              ref, P["req_ids"], P["positions"], P["seq_lens"], Kb=512)
     scores = sel.index_scores(*d)
@@ -365,7 +341,7 @@ def test_gpu_scores_routes_agree(route, seed, monkeypatch):
     P = make_problem([32768], [2048], page_size=64, dtype=np.float16, seed=seed)
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
     got = sel.index_scores(*d).copy_to_host()
-    assert_matches_oracle(got, _reference_scores(P), dtype="float16", what=f"{route} scores")
+    assert_matches_oracle(got, _scores_expect(P), dtype="float16", what=f"{route} scores")
 
 
 @pytest.mark.gpu
