@@ -1,7 +1,4 @@
-"""The one comparator every test and benchmark uses, and the selection comparator of spec §8.
-
-Importing this module does not import numba, so oracle-only tests can use it too.
-"""
+"""The one comparator every test and benchmark uses, and the selection comparator of spec §8."""
 from dataclasses import dataclass
 
 import numpy as np
