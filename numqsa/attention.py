@@ -23,48 +23,6 @@ from .plan import plan_attention
 
 __all__ = ["sparse_attention", "page4_plan", "page4_attention", "route"]
 
-_KERNEL_FLOATS = ("float16", "float32")
-
-
-def _float_dtype(x, name):
-    dt = V.dtype_name(x)
-    if dt not in _KERNEL_FLOATS:
-        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take {', '.join(_KERNEL_FLOATS)}")
-    return dt
-
-
-def _dev(x, stream):
-    """numba device arrays pass through untouched (strides and all); the rest via numqsa.device."""
-    if not isinstance(x, np.ndarray) and hasattr(x, "copy_to_host"):
-        return x
-    return dev.as_device(x, stream)[0]
-
-
-def _ints(x, stream):
-    """Device int32 array of a small integer array (int64 inputs are converted on the host)."""
-    if V.dtype_name(x) != "int32":
-        x = V.host_ints(x).astype(np.int32)
-    return _dev(x, stream)
-
-
-def _out(out, shape, dtype, stream, name):
-    if out is None:
-        return dev.empty(shape, dtype, stream)
-    if tuple(out.shape) != tuple(shape) or V.dtype_name(out) != np.dtype(dtype).name:
-        raise V.QSAInputError(f"{name} must be {np.dtype(dtype).name} {tuple(shape)}, got "
-                              f"{V.dtype_name(out)} {tuple(out.shape)}")
-    return _dev(out, stream)
-
-
-def _finish(result, was_host, out, stream):
-    if not was_host:
-        return result
-    host = dev.host_like(result, True, stream)
-    if isinstance(out, np.ndarray):
-        out[...] = host
-        return out
-    return host
-
 
 def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     r = V.check_r(r)
@@ -72,15 +30,15 @@ def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     V.check_batch(req_ids, np.zeros(rows, np.int32), seq_lens)
     num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
     hq = V.check_q(q, rows, hkv, d)
-    qd = _float_dtype(q, "q")
-    kd = _float_dtype(k_cache, "k_cache")
+    qd = dev.float_dtype(q, "q")
+    kd = dev.float_dtype(k_cache, "k_cache")
     return r, rows, num_pages, page_size, hkv, d, hq, qd, kd
 
 
 def _out_dtype(out_dtype, qd):
     name = qd if out_dtype is None else np.dtype(out_dtype).name
-    if name not in _KERNEL_FLOATS:
-        raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(_KERNEL_FLOATS)})")
+    if name not in dev.KERNEL_FLOATS:
+        raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
     return name
 
 
@@ -113,6 +71,8 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     V.check_selection(tokens, counts, rows, r)
+    if dev.is_host(tokens):
+        V.check_tokens(tokens, counts, req_ids, seq_lens)
     V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -127,12 +87,12 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         name = "generic"
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(q)
-    qd_, kc, vc = (_dev(x, stream) for x in (q, k_cache, v_cache))
-    tab, tok, cnt, rid, lens = (_ints(x, stream) for x in (block_table, tokens, counts, req_ids,
+    qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
+    tab, tok, cnt, rid, lens = (dev.ints(x, stream) for x in (block_table, tokens, counts, req_ids,
                                                             seq_lens))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = _out(out_buf, (rows, hq, d), od, stream, "out")
-    lse = _out(lse_buf, (rows, hq), "float32", stream, "lse")
+    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
+    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
     if name == "page4":
         pages, nv, tl = _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, plan.profile,
                                      stream)
@@ -141,7 +101,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
-    return (_finish(o, was_host, out_buf, stream), _finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
 
 
 def _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, profile, stream):
@@ -171,16 +131,16 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(tokens)
-    tok, cnt, tab, rid, lens = (_ints(x, stream) for x in (tokens, counts, block_table, req_ids,
+    tok, cnt, tab, rid, lens = (dev.ints(x, stream) for x in (tokens, counts, block_table, req_ids,
                                                             seq_lens))
     prof = route(rows, page_size, r).profile
     bufs = (None, None, None) if out is None else out
-    pages = _out(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
-    nv = _out(bufs[1], (rows,), "int32", stream, "num_vpages")
-    tl = _out(bufs[2], (rows,), "int32", stream, "tail_len")
+    pages = dev.out_buffer(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
+    nv = dev.out_buffer(bufs[1], (rows,), "int32", stream, "num_vpages")
+    tl = dev.out_buffer(bufs[2], (rows,), "int32", stream, "tail_len")
     geometry = dev.as_device(np.array([num_pages, page_size], np.int32), stream)[0]
     _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, prof, stream, r)
-    return tuple(_finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
+    return tuple(dev.finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
 
 
 def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *, scale=None, r=4,
@@ -195,8 +155,8 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
     num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
     hq = V.check_q(q, rows, hkv, d)
-    qd = _float_dtype(q, "q")
-    _float_dtype(k_cache, "k_cache")
+    qd = dev.float_dtype(q, "q")
+    dev.float_dtype(k_cache, "k_cache")
     ps = V._rank(pages, "pages", 3, "[rows, Kb+1, 2]")
     if ps[0] != rows or ps[2] != 2:
         raise V.QSAInputError(f"pages shape {ps} does not match {rows} rows x (page, slot)")
@@ -208,10 +168,10 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     prof = route(rows, page_size, r).profile
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(q)
-    qd_, kc, vc = (_dev(x, stream) for x in (q, k_cache, v_cache))
-    pg, nv, tl, rid = (_ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
+    qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
+    pg, nv, tl, rid = (dev.ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = _out(out_buf, (rows, hq, d), od, stream, "out")
-    lse = _out(lse_buf, (rows, hq), "float32", stream, "lse")
+    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
+    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
     _page4.launch_page4(qd_, kc, vc, pg, nv, tl, rid, scale, o, lse, prof, stream, r)
-    return (_finish(o, was_host, out_buf, stream), _finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))

@@ -61,3 +61,46 @@ def device_cc():
     if SIMULATOR:
         return PROFILES[os.environ.get("NUMQSA_ARCH", "sm_90")].cc
     return tuple(cuda.get_current_device().compute_capability)
+
+
+KERNEL_FLOATS = ("float16", "float32")
+
+
+def float_dtype(x, name):
+    """The dtype name of a floating input the kernels take, or a clear error."""
+    from oracle.validate import QSAInputError, dtype_name
+    dt = dtype_name(x)
+    if dt not in KERNEL_FLOATS:
+        raise QSAInputError(f"{name} has dtype {dt}; the kernels take {', '.join(KERNEL_FLOATS)}")
+    return dt
+
+
+def ints(x, stream):
+    """Device int32 array of a small integer array (int64 inputs are converted on the host)."""
+    from oracle.validate import dtype_name, host_ints
+    if dtype_name(x) != "int32":
+        x = host_ints(x).astype(np.int32)
+    return as_device(x, stream)[0]
+
+
+def out_buffer(out, shape, dtype, stream, name):
+    """A caller's output buffer after a shape/dtype check, or a fresh device array."""
+    from oracle.validate import QSAInputError, dtype_name
+    if out is None:
+        return empty(shape, dtype, stream)
+    want = np.dtype(dtype).name
+    if tuple(out.shape) != tuple(shape) or dtype_name(out) != want:
+        raise QSAInputError(f"out for {name} must be {want} {tuple(shape)}, got "
+                            f"{dtype_name(out)} {tuple(out.shape)}")
+    return as_device(out, stream)[0]
+
+
+def finish(result, was_host, out, stream):
+    """NumPy back for NumPy callers (into ``out`` if that was a NumPy array), else the device array."""
+    if not was_host:
+        return result
+    host = host_like(result, True, stream)
+    if isinstance(out, np.ndarray):
+        out[...] = host
+        return out
+    return host

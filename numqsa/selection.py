@@ -27,32 +27,9 @@ __all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand
 #: tokens (262,144 groups) a chunk is 1,024 rows and 16,384 rows need 1 GiB of scores, not 16 GiB.
 SELECT_SCORE_BYTES = 1 << 30
 
-_KERNEL_FLOATS = ("float16", "float32")
-
-
-def _dev(x, stream):
-    """``(device_array, was_host)``; numba device arrays pass straight through (also in the simulator)."""
-    if hasattr(x, "copy_to_host") and not isinstance(x, np.ndarray):
-        return x, False
-    return dev.as_device(x, stream)
-
-
-def _float_dtype(x, name):
-    dt = V.dtype_name(x)
-    if dt not in _KERNEL_FLOATS:
-        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take {', '.join(_KERNEL_FLOATS)}")
-    return dt
-
-
-def _ints(x, stream):
-    """Device int32 view of a small integer array (int64 inputs are converted, on the host)."""
-    if V.dtype_name(x) != "int32":
-        x = V.host_ints(x).astype(np.int32)
-    return _dev(x, stream)[0]
-
 
 def _dummy_ints(stream):
-    return _dev(np.zeros(1, np.int32), stream)[0]
+    return dev.as_device(np.zeros(1, np.int32), stream)[0]
 
 
 def _rope_positions(rope_positions, n, stream, name):
@@ -61,7 +38,7 @@ def _rope_positions(rope_positions, n, stream, name):
     (m,) = V._rank(rope_positions, "rope_positions", 1, f"[{name}]")
     if m != n:
         raise V.QSAInputError(f"rope_positions has {m} entries, expected {n} ({name})")
-    return _ints(rope_positions, stream), True
+    return dev.ints(rope_positions, stream), True
 
 
 def _emulate_f16(emulate_dtype):
@@ -75,26 +52,6 @@ def _emulate_f16(emulate_dtype):
     raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
 
 
-def _out(out, shape, dtype, stream, name):
-    if out is None:
-        return dev.empty(shape, dtype, stream)
-    if tuple(out.shape) != tuple(shape) or V.dtype_name(out) != np.dtype(dtype).name:
-        raise V.QSAInputError(f"out for {name} must be {np.dtype(dtype).name} {tuple(shape)}, got "
-                              f"{V.dtype_name(out)} {tuple(out.shape)}")
-    return _dev(out, stream)[0]
-
-
-def _finish(result, was_host, out, stream):
-    """NumPy back for NumPy callers (into ``out`` if it was a NumPy array)."""
-    if not was_host:
-        return result
-    host = dev.host_like(result, True, stream)
-    if isinstance(out, np.ndarray):
-        out[...] = host
-        return out
-    return host
-
-
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
                rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None):
     """Compressed keys ``kc[g] = rope(gnorm(mean(k_raw[g]), w_k), r * group_ids[g])``, stored in place.
@@ -106,13 +63,13 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     """
     s = V._rank(k_raw, "k_raw", 3, "[G, r, Di]")
     G, r, di = s
-    _float_dtype(k_raw, "k_raw")
+    dev.float_dtype(k_raw, "k_raw")
     if tuple(w_k.shape) != (di,):
         raise V.QSAInputError(f"w_k must have shape ({di},), got {tuple(w_k.shape)}")
     if rot % 2 or rot > di:
         raise V.QSAInputError(f"rot = {rot} must be even and <= Di = {di}")
     ic = V.check_index_cache(index_cache)
-    _float_dtype(index_cache, "index_cache")
+    dev.float_dtype(index_cache, "index_cache")
     if ic[2] != di:
         raise V.QSAInputError(f"index_cache Di = {ic[2]} differs from k_raw's Di = {di}")
     reqs, eids = V.host_ints(group_req_ids), V.host_ints(group_ids)
@@ -133,18 +90,18 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     emulate = _emulate_f16(emulate_dtype)
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(k_raw)
-    d_k = _dev(k_raw, stream)[0]
-    d_w = _dev(w_k, stream)[0]
-    d_ic, ic_host = _dev(index_cache, stream)
+    d_k = dev.as_device(k_raw, stream)[0]
+    d_w = dev.as_device(w_k, stream)[0]
+    d_ic, ic_host = dev.as_device(index_cache, stream)
     rp, has_rp = _rope_positions(rope_positions, G, stream, "G")
-    kc = _out(out, (G, di), np.float32, stream, "index_keys")
-    _pre.launch_index_keys(d_k, d_w, _ints(group_req_ids, stream), _ints(group_ids, stream), rp,
-                           has_rp, d_ic, _ints(index_block_table, stream), kc, stream, eps=eps,
+    kc = dev.out_buffer(out, (G, di), np.float32, stream, "index_keys")
+    _pre.launch_index_keys(d_k, d_w, dev.ints(group_req_ids, stream), dev.ints(group_ids, stream), rp,
+                           has_rp, d_ic, dev.ints(index_block_table, stream), kc, stream, eps=eps,
                            rot=rot, theta=theta, emulate_f16=emulate)
     if ic_host:
         index_cache[...] = d_ic.copy_to_host(stream=stream)
         stream.synchronize()
-    return _finish(kc, was_host, out, stream)
+    return dev.finish(kc, was_host, out, stream)
 
 
 def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
@@ -155,7 +112,7 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
     """
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     s = V._rank(q_raw, "q_raw", 3, "[rows, Hi, Di]")
-    dt = _float_dtype(q_raw, "q_raw")
+    dt = dev.float_dtype(q_raw, "q_raw")
     if s[0] != rows:
         raise V.QSAInputError(f"q_raw must be [rows={rows}, Hi, Di], got shape {s}")
     if tuple(w_q.shape) != (s[2],):
@@ -165,12 +122,12 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(q_raw)
     rp, has_rp = _rope_positions(rope_positions, rows, stream, "rows")
-    qi = _out(out, s, dt, stream, "index_queries")
-    _pre.launch_index_queries(_dev(q_raw, stream)[0], _dev(w_q, stream)[0],
-                              _ints(req_ids, stream), _ints(positions, stream),
-                              _ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
+    qi = dev.out_buffer(out, s, dt, stream, "index_queries")
+    _pre.launch_index_queries(dev.as_device(q_raw, stream)[0], dev.as_device(w_q, stream)[0],
+                              dev.ints(req_ids, stream), dev.ints(positions, stream),
+                              dev.ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
                               theta=theta)
-    return _finish(qi, was_host, out, stream)
+    return dev.finish(qi, was_host, out, stream)
 
 
 def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r):
@@ -178,8 +135,8 @@ def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     n_pages, rows_per_page, di = V.check_index_cache(index_cache)
     V.check_index_q(qi, rows, di)
-    _float_dtype(qi, "qi")
-    _float_dtype(index_cache, "index_cache")
+    dev.float_dtype(qi, "qi")
+    dev.float_dtype(index_cache, "index_cache")
     V.check_table(index_block_table, seq_lens, units_per_page=rows_per_page, num_pages=n_pages,
                   r=r, name="index_block_table")
     return r, rows
@@ -216,11 +173,11 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
         num_groups = _default_groups(seq_lens, r)
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(qi)
-    scores = _out(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
-    _launch_scores(_dev(qi, stream)[0], _dev(index_cache, stream)[0],
-                   _ints(index_block_table, stream), _ints(req_ids, stream),
-                   _ints(positions, stream), _ints(seq_lens, stream), scores, r, stream)
-    return _finish(scores, was_host, out, stream)
+    scores = dev.out_buffer(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
+    _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0],
+                   dev.ints(index_block_table, stream), dev.ints(req_ids, stream),
+                   dev.ints(positions, stream), dev.ints(seq_lens, stream), scores, r, stream)
+    return dev.finish(scores, was_host, out, stream)
 
 
 def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None):
@@ -248,14 +205,14 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
         scores = np.ascontiguousarray(scores, dtype=np.float32)
     elif V.dtype_name(scores) != "float32":
         raise V.QSAInputError(f"device scores must be float32, got {V.dtype_name(scores)}")
-    d_s = _dev(scores, stream)[0]
+    d_s = dev.as_device(scores, stream)[0]
     if not d_s.is_c_contiguous():
         raise V.QSAInputError("device scores must be C-contiguous (they are read as uint32 bits)")
-    groups = _out(out, (rows, int(Kb)), np.int32, stream, "topk_groups")
-    _topk.launch_topk(d_s.view(np.uint32), _ints(req_ids, stream), _ints(positions, stream),
-                      _ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
+    groups = dev.out_buffer(out, (rows, int(Kb)), np.int32, stream, "topk_groups")
+    _topk.launch_topk(d_s.view(np.uint32), dev.ints(req_ids, stream), dev.ints(positions, stream),
+                      dev.ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
                       stream, r=r)
-    return _finish(groups, was_host, out, stream)
+    return dev.finish(groups, was_host, out, stream)
 
 
 def _check_groups_host(g, req_ids, positions, seq_lens, r):
@@ -288,13 +245,13 @@ def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream
     if was_host:
         _check_groups_host(groups, req_ids, positions, seq_lens, r)
     out_t, out_c = out if out is not None else (None, None)
-    tokens = _out(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens")
-    counts = _out(out_c, (rows,), np.int32, stream, "counts")
+    tokens = dev.out_buffer(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens")
+    counts = dev.out_buffer(out_c, (rows,), np.int32, stream, "counts")
     prof = plan_select(rows, 0, dev.device_cc()).profile
-    _expand.launch_expand(_dev(groups, stream)[0], _ints(req_ids, stream),
-                          _ints(positions, stream), _ints(seq_lens, stream), tokens, counts, prof,
+    _expand.launch_expand(dev.as_device(groups, stream)[0], dev.ints(req_ids, stream),
+                          dev.ints(positions, stream), dev.ints(seq_lens, stream), tokens, counts, prof,
                           stream, r=r)
-    return _finish(tokens, was_host, out_t, stream), _finish(counts, was_host, out_c, stream)
+    return dev.finish(tokens, was_host, out_t, stream), dev.finish(counts, was_host, out_c, stream)
 
 
 def select_chunk_rows(rows, num_groups, budget=None):
@@ -325,20 +282,20 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(qi)
     out_t, out_c, out_g = out if out is not None else (None, None, None)
-    tokens = _out(out_t, (rows, Kb * r + r - 1), np.int32, stream, "tokens")
-    counts = _out(out_c, (rows,), np.int32, stream, "counts")
-    groups = _out(out_g, (rows, int(Kb)), np.int32, stream, "groups")
-    d_qi = _dev(qi, stream)[0]
-    d_ic = _dev(index_cache, stream)[0]
-    d_ibt = _ints(index_block_table, stream)
-    req, pos, lens = _ints(req_ids, stream), _ints(positions, stream), _ints(seq_lens, stream)
+    tokens = dev.out_buffer(out_t, (rows, Kb * r + r - 1), np.int32, stream, "tokens")
+    counts = dev.out_buffer(out_c, (rows,), np.int32, stream, "counts")
+    groups = dev.out_buffer(out_g, (rows, int(Kb)), np.int32, stream, "groups")
+    d_qi = dev.as_device(qi, stream)[0]
+    d_ic = dev.as_device(index_cache, stream)[0]
+    d_ibt = dev.ints(index_block_table, stream)
+    req, pos, lens = dev.ints(req_ids, stream), dev.ints(positions, stream), dev.ints(seq_lens, stream)
     prof = plan_select(rows, G, dev.device_cc()).profile
     chunk = select_chunk_rows(rows, G, score_bytes)
     width = max(G, 1)
     if workspace is not None and rows:
         if V.dtype_name(workspace) != "float32" or workspace.size < chunk * width:
             raise V.QSAInputError(f"workspace must be float32 with >= {chunk * width} elements")
-        buf = _dev(workspace, stream)[0].reshape(-1)[:chunk * width].reshape(chunk, width)
+        buf = dev.as_device(workspace, stream)[0].reshape(-1)[:chunk * width].reshape(chunk, width)
     else:
         buf = dev.empty((chunk, width), np.float32, stream) if rows else None
     for a in range(0, rows, chunk):
@@ -349,5 +306,5 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
                           r=r)
     if rows:
         _expand.launch_expand(groups, req, pos, lens, tokens, counts, prof, stream, r=r)
-    return (_finish(tokens, was_host, out_t, stream), _finish(counts, was_host, out_c, stream),
-            _finish(groups, was_host, out_g, stream))
+    return (dev.finish(tokens, was_host, out_t, stream), dev.finish(counts, was_host, out_c, stream),
+            dev.finish(groups, was_host, out_g, stream))

@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = [
     "QSAInputError", "dtype_name", "host_ints", "check_batch", "check_table", "check_kv",
-    "check_q", "check_index_cache", "check_index_q", "check_selection", "check_r",
+    "check_q", "check_index_cache", "check_index_q", "check_selection", "check_tokens", "check_r",
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -172,3 +172,22 @@ def check_selection(tokens, counts, rows, r):
     if ts[1] < r - 1 or (ts[1] - (r - 1)) % r:
         raise QSAInputError(f"tokens width {ts[1]} is not Kb*r + r - 1 for r = {r}")
     return (ts[1] - (r - 1)) // r
+
+
+def check_tokens(tokens, counts, req_ids, seq_lens):
+    """Every selected token of a live row lies in ``0 .. seq_len - 1`` of its request.
+
+    Reads values, so the kernels' API applies it to host selections only; on the device the kernels
+    guard instead (a row with an out-of-range id becomes inert, nothing is read out of bounds).
+    """
+    toks, cnt = host_ints(tokens), host_ints(counts)
+    req, lens = host_ints(req_ids), host_ints(seq_lens)
+    for i in range(toks.shape[0]):
+        q = int(req[i])
+        if not 0 <= q < lens.size or lens[q] <= 0 or cnt[i] <= 0:
+            continue
+        if cnt[i] > toks.shape[1]:
+            raise QSAInputError(f"row {i}: count {cnt[i]} exceeds the selection width {toks.shape[1]}")
+        t = toks[i, :cnt[i]]
+        if t.min() < 0 or t.max() >= lens[q]:
+            raise QSAInputError(f"row {i}: selected tokens must lie in 0..{lens[q] - 1}")
