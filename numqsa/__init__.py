@@ -7,7 +7,7 @@ device arrays and PyTorch/CuPy CUDA tensors are used in place and give device ar
 from oracle.validate import QSAInputError
 
 from .attention import page4_attention, page4_plan, sparse_attention
-from .prefill import qsa_prefill
+from .prefill import Workspace, qsa_prefill
 from .selection import expand_tokens, index_keys, index_queries, index_scores, select, topk_groups
 
 __version__ = "0.1.0"
@@ -15,4 +15,5 @@ __version__ = "0.1.0"
 __all__ = [
     "QSAInputError", "index_keys", "index_queries", "index_scores", "topk_groups",
     "expand_tokens", "select", "page4_plan", "sparse_attention", "page4_attention", "qsa_prefill",
+    "Workspace",
 ]

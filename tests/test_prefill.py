@@ -1,0 +1,152 @@
+"""``qsa_prefill`` end to end: against the oracle's pipeline, with a reusable workspace, with PyTorch
+and CuPy arrays, and captured in a CUDA graph (the last three on a GPU)."""
+import numpy as np
+import pytest
+
+import numqsa
+import oracle
+from numqsa.testing import assert_matches_oracle, assert_selection_matches
+from oracle.problems import make_problem
+
+ARGS = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
+        "req_ids", "positions", "seq_lens")
+
+
+def args(p):
+    return [p[k] for k in ARGS]
+
+
+def check_against_oracle(p, result, Kb):
+    out, lse, tokens, counts = result
+    batch = (p["req_ids"], p["positions"], p["seq_lens"])
+    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
+    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
+    for i in range(tokens.shape[0]):            # the kernel's groups, read back from its tokens
+        g = tokens[i, :counts[i]][::4] // 4
+        g = g[4 * np.arange(g.size) + 3 < counts[i]]
+        groups[i, :g.size] = g
+    assert_selection_matches(groups, tokens, counts, scores, *batch, Kb=Kb)
+    ref_out, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
+                                               tokens, counts, p["req_ids"], p["seq_lens"])
+    assert_matches_oracle(out, ref_out, dtype=p["q"].dtype, what="out")
+    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+def test_prefill_numpy_matches_oracle(seed, layout):
+    p = make_problem([70, 41, 9], positions=[69, 68, 50, 40, 40, 2, -1, 3], req_ids=[0, 0, 0, 1, 1, 2, 0, 5],
+                     page_size=16, Hq=4, Hkv=2, D=32, Hi=2, Di=32, dtype=np.float16, layout=layout,
+                     seed=seed)
+    result = numqsa.qsa_prefill(*args(p), Kb=6)
+    assert all(isinstance(x, np.ndarray) for x in result)
+    check_against_oracle(p, result, Kb=6)
+    out, lse = result[:2]
+    assert not out[6:].any() and np.isneginf(lse[6:]).all()       # inert rows
+
+
+def test_workspace_reuses_its_buffers(seed, monkeypatch):
+    from numba import cuda
+    from numqsa import device as dev
+    p = make_problem([90], rows_per_req=[5], page_size=16, Hq=2, Hkv=1, D=32, Hi=2, Di=32,
+                     dtype=np.float16, seed=seed)
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in args(p)]
+    ws = numqsa.Workspace()
+    first = [x.copy_to_host() for x in numqsa.qsa_prefill(*d, Kb=4, workspace=ws, num_groups=22)]
+    allocated = []
+    real_empty = dev.empty
+    monkeypatch.setattr(dev, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    second = [x.copy_to_host() for x in numqsa.qsa_prefill(*d, Kb=4, workspace=ws, num_groups=22)]
+    assert allocated == [], f"a second call allocated {allocated}"
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert ws.nbytes > 0
+
+
+# ------------------------------------------------------------------------------ GPU tier
+
+def _gpu_problem(seed, rows=1024, context=8192):
+    from numqsa.__main__ import correlated_queries
+    p = make_problem([context], rows_per_req=[rows], page_size=64, dtype=np.float16, seed=seed)
+    p["qi"] = correlated_queries(np.random.default_rng(seed), rows, 4, 128).astype(np.float16)
+    return p
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_matches_oracle(seed):
+    from numba import cuda
+    p = _gpu_problem(seed)
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in args(p)]
+    result = [x.copy_to_host() for x in numqsa.qsa_prefill(*d)]
+    rows = np.sort(np.random.default_rng(seed).choice(1024, 64, replace=False))
+    sub = {k: (v[rows] if k in ("qi", "q", "req_ids", "positions") else v) for k, v in p.items()}
+    check_against_oracle(sub, [x[rows] for x in result], Kb=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peer", ["torch", "cupy"])
+def test_gpu_foreign_arrays_bitwise(seed, peer):
+    """PyTorch / CuPy arrays, used in place on their own stream, give the numba arrays' bits."""
+    from numba import cuda
+    lib = pytest.importorskip(peer)
+    p = _gpu_problem(seed)
+    want = [x.copy_to_host() for x in numqsa.qsa_prefill(*[cuda.to_device(np.ascontiguousarray(a))
+                                                              for a in args(p)])]
+    if peer == "torch":
+        arrs = [lib.from_numpy(np.ascontiguousarray(a)).cuda() for a in args(p)]
+        stream = lib.cuda.Stream()
+    else:
+        arrs = [lib.asarray(np.ascontiguousarray(a)) for a in args(p)]
+        stream = lib.cuda.Stream(non_blocking=True)
+    got = numqsa.qsa_prefill(*arrs, stream=stream)
+    stream.synchronize()
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b.copy_to_host())
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_allocates_nothing(seed, monkeypatch):
+    from numba import cuda
+    from numba.cuda.cudadrv import driver
+    p = _gpu_problem(seed)
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in args(p)]
+    ws = numqsa.Workspace()
+    numqsa.qsa_prefill(*d, workspace=ws, num_groups=2048, validate=False)
+    cuda.synchronize()
+    calls = []
+    real = driver.Context.memalloc
+    monkeypatch.setattr(driver.Context, "memalloc", lambda self, n: calls.append(n) or real(self, n))
+    ctx = cuda.current_context()
+    with cuda.defer_cleanup():
+        free_before = ctx.get_memory_info().free
+        numqsa.qsa_prefill(*d, workspace=ws, num_groups=2048, validate=False)
+        cuda.synchronize()
+        free_after = ctx.get_memory_info().free
+    assert calls == [], f"device allocations in a second call: {calls}"
+    assert free_after == free_before, f"free device memory moved by {free_before - free_after} B"
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_bitwise(seed):
+    """Captured once with torch.cuda.graph, replayed on new inputs: the eager result's bits."""
+    torch = pytest.importorskip("torch")
+    p = _gpu_problem(seed)
+    t = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in args(p)]
+    ws = numqsa.Workspace()
+    s = torch.cuda.Stream()
+    kw = dict(workspace=ws, num_groups=2048, validate=False, stream=s)
+    with torch.cuda.stream(s):
+        numqsa.qsa_prefill(*t, **kw)                      # compile and allocate outside the capture
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        captured = numqsa.qsa_prefill(*t, **kw)
+    q2 = _gpu_problem(seed + 1)
+    for name in ("qi", "q"):                               # new inputs, same buffers
+        t[ARGS.index(name)].copy_(torch.from_numpy(q2[name]))
+    g.replay()
+    torch.cuda.synchronize()
+    replayed = [x.copy_to_host() for x in captured]
+    eager = [x.copy_to_host() for x in numqsa.qsa_prefill(*t, **{**kw, "workspace": numqsa.Workspace()})]
+    s.synchronize()
+    for a, b in zip(eager, replayed):
+        np.testing.assert_array_equal(a, b)
