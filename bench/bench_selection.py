@@ -138,7 +138,12 @@ def main():
     ap.add_argument("json_out")
     ap.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # simulator smoke test
+    ap.add_argument("--variants", action="store_true",
+                    help="kernel variants (score tiles, top-k threads) and the tiled/light "
+                         "crossover at small row counts, instead of the standard cases")
     args = ap.parse_args()
+    if args.variants:
+        return variants(args)
 
     from numba import cuda
     from numqsa import selection as sel
@@ -251,6 +256,80 @@ def main():
     with open(args.json_out, "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     print(f"wrote {args.json_out} ({meta['seconds']:.0f} s)")
+
+
+def variants(args):
+    """Score-kernel and top-k variants at the issue-3 shapes; tiled vs light at small row counts."""
+    from numba import cuda
+    from numqsa.kernels import expand as KE, index_scores as KS, topk as KT
+    from numqsa.device import device_cc
+    from numqsa.plan import arch_profile
+
+    t_start = time.time()
+    prof = arch_profile(device_cc())
+    stream = cuda.default_stream()
+    timer = Timer(stream, args.tiny)
+    results = []
+    cases = [(8, 2304)] if args.tiny else [(4096, 32768), (8192, 131072)]
+    score_vars = [("scores.keysm.w4", dict(variant="keysm", warps=4, minb=1)),
+                  ("scores.keysm.w8", dict(variant="keysm", warps=8, minb=1)),
+                  ("scores.keysm.w8b2", dict(variant="keysm", warps=8, minb=2)),
+                  ("scores.keysm.w4s4", dict(variant="keysm", warps=4, minb=1, span_tiles=4)),
+                  ("scores.generic", dict(variant="generic"))]
+    for rows, ctx in cases:
+        host, d, G, nbsum = make_inputs(rows, ctx)
+        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
+                            "seq_lens")]
+        sc = cuda.device_array((rows, G), np.float32)
+        groups = cuda.device_array((rows, KB), np.int32)
+        tokens = cuda.device_array((rows, KB * R + R - 1), np.int32)
+        counts = cuda.device_array(rows, np.int32)
+        flop = 2.0 * HI * DI * nbsum
+        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
+        tbytes = rows * G * 4 + rows * KB * 4
+        trt = TRT_MS.get((rows, ctx), {})
+
+        def ref(stage):
+            return f"  (TRT-LLM {trt[stage]:.2f} ms)" if stage in trt else ""
+
+        for name, kw in score_vars:
+            ms = timer(lambda: KS.launch_tiled(*a, sc, prof, stream, **kw), reps=5, warmup=1)
+            results.append(line(name, rows, ctx, ms, flop, sbytes, ref("scores")))
+        KS.launch_tiled(*a, sc, prof, stream)
+        bits = sc.view(np.uint32)
+        tvars = [("topk.radix", dict(bitmap=False))]
+        if G <= KT.bitmap_shape()[1]:
+            tvars = [("topk.bitmap.t512", dict(bitmap=True, threads=512)),
+                     ("topk.bitmap.t1024", dict(bitmap=True, threads=1024))] + tvars
+        for name, kw in tvars:
+            ms = timer(lambda: KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream, **kw),
+                       reps=5, warmup=1)
+            results.append(line(name, rows, ctx, ms, None, tbytes, ref("topk")))
+
+        def chain():
+            KS.launch_tiled(*a, sc, prof, stream)
+            KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream)
+            KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream)
+        ms = timer(chain, reps=5, warmup=1)
+        results.append(line("chain.kernels", rows, ctx, ms, flop, sbytes + tbytes))
+        del sc
+    for rows, ctx in ([] if args.tiny else [(64, 32768), (128, 32768), (256, 32768),
+                                            (512, 32768), (256, 8192), (1024, 8192)]):
+        host, d, G, nbsum = make_inputs(rows, ctx)
+        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
+                            "seq_lens")]
+        sc = cuda.device_array((rows, G), np.float32)
+        flop = 2.0 * HI * DI * nbsum
+        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
+        ms_t = timer(lambda: KS.launch_tiled(*a, sc, prof, stream), reps=5, warmup=1)
+        ms_l = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=5, warmup=1)
+        results.append(line("crossover.tiled", rows, ctx, ms_t, flop, sbytes))
+        results.append(line("crossover.light", rows, ctx, ms_l, flop, sbytes))
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out, "w") as f:
+        json.dump(dict(meta=dict(profile=prof.name, seconds=time.time() - t_start),
+                       results=results), f, indent=1)
+    print(f"wrote {args.json_out} ({time.time() - t_start:.0f} s)")
 
 
 if __name__ == "__main__":

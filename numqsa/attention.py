@@ -59,11 +59,13 @@ def route(rows, page_size, r=4, cc=None):
 
 
 def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
-                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None):
+                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
+                     workspace=None, validate=True):
     """``(out [rows, Hq, D], lse float32 [rows, Hq])`` over ``S_i = tokens[i, :counts[i]]``.
 
     Mirrors :func:`oracle.sparse_attention`. ``out`` (optional) may be a tuple ``(out, lse)`` of
-    preallocated buffers. The output dtype is the query's unless ``out_dtype`` (float16/float32).
+    preallocated buffers; ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers
+    between calls; ``validate=False`` skips the checks that read page tables on the host. The output dtype is the query's unless ``out_dtype`` (float16/float32).
     Inert rows and rows whose ids are out of range (the kernels check; the API checks the table)
     give 0 / ``-inf``. ``route_name`` ("generic" or "page4") overrides the planned route (tests and
     benchmarks); the page-4 route needs selections of whole aligned groups plus one tail run.
@@ -73,7 +75,8 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     V.check_selection(tokens, counts, rows, r)
     if dev.is_host(tokens):
         V.check_tokens(tokens, counts, req_ids, seq_lens)
-    V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+    if validate:
+        V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     plan = route(rows, page_size, r)
@@ -94,25 +97,24 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
     lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
     if name == "page4":
-        pages, nv, tl = _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, plan.profile,
-                                     stream)
+        kb = (tok.shape[1] - (r - 1)) // r
+        ints = ((lambda n, shape: workspace.buffer(n, shape, np.int32, stream)) if workspace is not None
+                else (lambda n, shape: dev.empty(shape, np.int32, stream)))
+        pages, nv, tl = (ints("page4.pages", (rows, kb + 1, 2)), ints("page4.num_vpages", (rows,)),
+                         ints("page4.tail_len", (rows,)))
+        geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
+        _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
         _page4.launch_page4(qd_, kc, vc, pages, nv, tl, rid, scale, o, lse, plan.profile, stream, r,
-                            keysrc=tok, req_ids_host=V.host_ints(req_ids))
+                            tokens=tok, keys=ints("page4.keys", tok.shape))
+        # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
+        # one; select() never makes such) left its row inert above: the generic kernel takes exactly
+        # those rows, so the route choice never changes which tokens a row attends to.
+        _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
+                                  stream, skip=nv)
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
     return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
-
-
-def _plan_device(tok, cnt, tab, rid, lens, num_pages, page_size, r, profile, stream):
-    rows, width = tok.shape
-    kb = (width - (r - 1)) // r
-    pages = dev.empty((rows, kb + 1, 2), "int32", stream)
-    nv = dev.empty((rows,), "int32", stream)
-    tl = dev.empty((rows,), "int32", stream)
-    geometry = dev.as_device(np.array([num_pages, page_size], np.int32), stream)[0]
-    _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, profile, stream, r)
-    return pages, nv, tl
 
 
 def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num_pages, r=4,
@@ -138,7 +140,7 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     pages = dev.out_buffer(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
     nv = dev.out_buffer(bufs[1], (rows,), "int32", stream, "num_vpages")
     tl = dev.out_buffer(bufs[2], (rows,), "int32", stream, "tail_len")
-    geometry = dev.as_device(np.array([num_pages, page_size], np.int32), stream)[0]
+    geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
     _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, prof, stream, r)
     return tuple(dev.finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
 

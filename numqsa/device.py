@@ -39,7 +39,10 @@ def as_device(x, stream):
     if hasattr(x, "copy_to_host") and hasattr(x, "copy_to_device"):   # numba (or simulator) array
         return x, False
     if hasattr(x, "__cuda_array_interface__"):                          # PyTorch, CuPy, ...
-        return cuda.as_cuda_array(x), False
+        # No synchronisation on the producer's stream: every launch goes on the caller's stream,
+        # where the inputs must be ready (as for any stream-ordered op); a sync here would also
+        # break CUDA-graph capture.
+        return cuda.as_cuda_array(x, sync=False), False
     raise TypeError(f"expected a NumPy array or a CUDA array, got {type(x).__name__}")
 
 
@@ -104,3 +107,24 @@ def finish(result, was_host, out, stream):
         out[...] = host
         return out
     return host
+
+
+_CONSTANTS = {}
+
+
+def constant(values, stream):
+    """A small read-only device copy of ``values``, made once per device and content, then reused.
+
+    Launch metadata that depends only on shapes and strides (row windows, stride tables) goes
+    through here, so repeated calls neither allocate nor copy, as CUDA-graph capture requires.
+    """
+    a = np.ascontiguousarray(values)
+    try:
+        device_id = cuda.get_current_device().id
+    except Exception:          # the simulator's device object differs; one device there
+        device_id = 0
+    key = (device_id, a.dtype.str, a.shape, a.tobytes())
+    buf = _CONSTANTS.get(key)
+    if buf is None:
+        buf = _CONSTANTS[key] = cuda.to_device(a, stream=stream)
+    return buf

@@ -45,6 +45,12 @@ class AttentionProfile:
                                # 16 warps x ~160 registers do not fit an SM (resource report)
     threads: int = 128
     page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in bench/NOTES.md
+    tc_group_rows: int = 6     # rows per block of the token-major page-4 kernel (sm_80+), with
+                               # C = 4G = 24 staged pages (104 KB dynamic smem, 2 blocks/SM). H200,
+                               # 4096 x 32K, 2051 sel (ms), run A: G8/C32 5.80, G6/C19 5.88, G4/C13
+                               # 6.29, G8/C25 6.68, G4/C16 7.79, G2/C16 11.5, previous kernel 15.2;
+                               # run B (4-deep K loads): G6/C24 5.19, G8/C32 6.50, G4/C16 6.97,
+                               # G4/C13 7.42, G1/C4 10.5, previous kernel 16.0
 
 
 @dataclass(frozen=True)
@@ -68,21 +74,29 @@ PROFILES = {
         smem_per_sm=96 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=80,
         scores=ScoresProfile(mma="m8n8k4"),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m8n8k4", group_rows=8, page4_min_rows=4096),
+        # 4 rows per group: 4 warps x 198 registers and 47.9 KB static shared memory give 2 resident
+        # blocks per V100 SM; 8 rows fit only one (resource report, page4_m8n8k4_g4 / _g8).
+        attention=AttentionProfile(mma="m8n8k4", group_rows=4, page4_min_rows=4096),
     ),
     "sm_80": ArchProfile(
         name="sm_80", cc=(8, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=512),
     ),
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
         name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=228 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=132,
-        scores=ScoresProfile(mma="m16n8k16"),
+        # tiled admission: H200, keys-as-M kernel (8 warps) vs light (ms), perf_selection run 2:
+        # 64 x 32K ctx 0.051 / 0.136, 256 x 8K 0.033 / 0.134, 512 x 32K 0.079 / 0.796: tiled wins
+        # at every point measured (smallest: 64 rows; 256 x 2048 = 512K score elements); below
+        # that untested, so light
+        scores=ScoresProfile(mma="m16n8k16", tiled_min_rows=64, tiled_min_elems=1 << 19),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
+        # page4_min_rows: H200, 32K context, 2051 selected (ms, generic / page4): 16 rows 2.52 /
+        # 2.84, 64: 2.45 / 2.77, 256: 2.66 / 3.02, 1024: 6.12 / 3.09 -> crossover ~512 rows
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=512),
     ),
 }
 

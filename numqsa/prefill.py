@@ -84,7 +84,9 @@ def qsa_prefill(qi, index_cache, index_block_table, q, k_cache, v_cache, block_t
             out = (workspace.buffer("out", tuple(q.shape), od, stream),
                    workspace.buffer("lse", (rows, q.shape[1]), np.float32, stream))
     tokens, counts, _ = select(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
-                               Kb=Kb, r=r, out=sel_out, workspace=scores, stream=stream)
+                               Kb=Kb, r=r, out=sel_out, workspace=scores, num_groups=num_groups,
+                               validate=validate, stream=stream)
     o, lse = sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens,
-                              scale=scale, r=r, out_dtype=out_dtype, out=out, stream=stream)
+                              scale=scale, r=r, out_dtype=out_dtype, out=out, workspace=workspace,
+                              validate=validate, stream=stream)
     return tuple(dev.host_like(x, was_host, stream) for x in (o, lse, tokens, counts))

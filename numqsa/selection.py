@@ -130,15 +130,17 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
     return dev.finish(qi, was_host, out, stream)
 
 
-def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r):
+def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r,
+                         validate=True):
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     n_pages, rows_per_page, di = V.check_index_cache(index_cache)
     V.check_index_q(qi, rows, di)
     dev.float_dtype(qi, "qi")
     dev.float_dtype(index_cache, "index_cache")
-    V.check_table(index_block_table, seq_lens, units_per_page=rows_per_page, num_pages=n_pages,
-                  r=r, name="index_block_table")
+    if validate:
+        V.check_table(index_block_table, seq_lens, units_per_page=rows_per_page, num_pages=n_pages,
+                      r=r, name="index_block_table")
     return r, rows
 
 
@@ -263,7 +265,7 @@ def select_chunk_rows(rows, num_groups, budget=None):
 
 
 def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512, r=4,
-           out=None, stream=None, score_bytes=None, workspace=None):
+           out=None, stream=None, score_bytes=None, workspace=None, num_groups=None, validate=True):
     """Scores -> top-k -> expansion on the device: ``(tokens, counts, groups)``.
 
     Rows are processed in chunks whose float32 score block stays under ``score_bytes``
@@ -273,12 +275,15 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     arrays. 16,384 rows at 1M tokens: 1 GiB of scores + 0.17 GiB of outputs.
     ``out`` may be a ``(tokens, counts, groups)`` triple; ``workspace`` a 1-D float32 device array
     of at least ``chunk * G`` elements to hold the scores (saves the allocation on repeated calls).
+    ``num_groups`` gives ``G`` without reading ``seq_lens`` back (it must be at least
+    ``max(seq_lens) // r``); ``validate=False`` skips the host-side page-table checks. With both, and
+    ``out`` and ``workspace``, a call neither allocates nor synchronises (CUDA-graph capture).
     """
     r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
-                                   seq_lens, r)
+                                   seq_lens, r, validate)
     if Kb < 1:
         raise V.QSAInputError(f"Kb must be >= 1, got {Kb}")
-    G = _default_groups(seq_lens, r)
+    G = _default_groups(seq_lens, r) if num_groups is None else int(num_groups)
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(qi)
     out_t, out_c, out_g = out if out is not None else (None, None, None)

@@ -147,7 +147,8 @@ def test_generic_inert_stale_and_bad_ids(rng):
     assert counts[2] == 0 and counts[3] == 0 and counts[1] == 13
     bad = tokens.copy()
     bad[4, 0] = 13                       # == seq_len of request 1
-    out, lse = run_attention(p, bad, counts, "generic")
+    # device inputs: the API validates host selections' values, the kernel guards device ones
+    out, lse = run_attention(p, bad, counts, "generic", layout="contiguous", device=True)
     assert np.all(out[4] == 0) and np.all(lse[4] == -np.inf)
     good = counts.copy()
     good[4] = 0
@@ -215,6 +216,16 @@ def test_page4_layouts_heads(rng, arch, layout, page_size, hq, hkv):
     check(p, tokens, counts, out, lse)
 
 
+def test_page4_element_loads(rng, monkeypatch):
+    """The token-major kernel's element-load fallback (caches whose rows are not 16-byte loads)."""
+    monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
+    monkeypatch.setenv("NUMQSA_PAGE4_VEC", "0")
+    p = small_problem(rng, [45], [4], page_size=16, layout="interleaved")
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=5, mode="overlap")
+    out, lse = run_attention(p, tokens, counts, "page4", layout="interleaved", device=True)
+    check(p, tokens, counts, out, lse)
+
+
 def test_page4_inert_stale_rows_and_bad_pages(rng, arch):
     p = small_problem(rng, [37, 9], None, positions=[36, 50, 2, -3, 35, 8],
                       req_ids=[0, 0, 3, 0, 0, 1])
@@ -229,6 +240,18 @@ def test_page4_inert_stale_rows_and_bad_pages(rng, arch):
     o2, l2 = numqsa.page4_attention(p["q"], p["k_cache"], p["v_cache"], pages, nv, tl, p["req_ids"])
     assert np.all(o2[0] == 0) and np.all(l2[0] == -np.inf)
     np.testing.assert_array_equal(o2[1:], out[1:])
+
+
+def test_page4_route_takes_any_selection(rng, arch):
+    """Rows whose selection is not whole aligned groups (hand-made) still get exactly their tokens:
+    the plan leaves them out and the generic kernel computes them within the page-4 route."""
+    p = small_problem(rng, [70], [5], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=6, mode="overlap")
+    for i in (1, 3):
+        n = int(counts[i])
+        tokens[i, :n] = rng.permutation(int(p["positions"][i]) + 1)[:n]      # any order, unaligned
+    out, lse = run_attention(p, tokens, counts, "page4")
+    check(p, tokens, counts, out, lse)
 
 
 def test_routes_agree(rng):
@@ -292,8 +315,11 @@ def test_invariances(rng, arch, route):
 
 
 def test_page4_grouping_invariance(rng, arch):
-    """Same rows, different group sizes: bitwise identical per row (the kernel-level claim)."""
-    p = small_problem(rng, [80], [6], page_size=16)
+    """Same rows, different group sizes: bitwise identical per row (the kernel-level claim).
+
+    Two requests of equal length with the same page-table layout make windows that mix rows of
+    both: equal logical keys there must not share staged pages."""
+    p = small_problem(rng, [80, 80], [3, 4], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=7, mode="overlap")
     from numqsa.plan import arch_profile
     prof = arch_profile((9, 0))
@@ -307,11 +333,12 @@ def test_page4_grouping_invariance(rng, arch):
         out = poison(cuda.device_array(p["q"].shape, np.float16))
         lse = poison(cuda.device_array(p["q"].shape[:2], np.float32))
         k_page4.launch_page4(*args, 1 / np.sqrt(32), out, lse, prof, cuda.default_stream(),
-                             keysrc=cuda.to_device(tokens), req_ids_host=p["req_ids"], group_rows=gr)
+                             tokens=cuda.to_device(tokens), group_rows=gr)
         res.append((out.copy_to_host(), lse.copy_to_host()))
     for o, l in res[1:]:
         np.testing.assert_array_equal(o, res[0][0])
         np.testing.assert_array_equal(l, res[0][1])
+    check(p, tokens, counts, *res[-1])
 
 
 # ---------------------------------------------------------------------------------------------

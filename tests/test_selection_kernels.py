@@ -142,9 +142,13 @@ def test_index_scores_rows(rng, rows):
     assert_matches_oracle(got, _scores_expect(P), dtype="float16", what="scores")
 
 
-@pytest.mark.parametrize("arch,hi", [("sm_90", 4), ("sm_70", 4), ("sm_90", 8), ("sm_70", 2)])
-def test_index_scores_tiled(rng, monkeypatch, arch, hi):
-    """The tensor-core route through the mma stand-in (m16n8k16 for sm_90, m8n8k4 for sm_70)."""
+@pytest.mark.parametrize("arch,hi,strided", [("sm_90", 4, False), ("sm_70", 4, False),
+                                             ("sm_90", 8, False), ("sm_70", 2, False),
+                                             ("sm_90", 2, True)])
+def test_index_scores_tiled(rng, monkeypatch, arch, hi, strided):
+    """The tensor-core route through the mma stand-in: keys-as-M m16n8k16 for sm_90 with Hi <= 4
+    (uint32 word loads; float16 loads for a strided cache in the simulator), per-warp-M m16n8k16
+    for Hi 8, m8n8k4 for sm_70."""
     from numba import cuda
     from numqsa.kernels import index_scores as K
     from numqsa.plan import arch_profile
@@ -155,6 +159,11 @@ def test_index_scores_tiled(rng, monkeypatch, arch, hi):
     P = _with_odd_rows(P, rng)
     G = 75 // 4
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
+    if strided:     # the cache as a view into a wider buffer: last axis contiguous, rows strided
+        ic = P["index_cache"]
+        wide = np.zeros(ic.shape[:2] + (2 * ic.shape[2],), ic.dtype)
+        wide[:, :, :ic.shape[2]] = ic
+        d[1] = cuda.to_device(wide)[:, :, :ic.shape[2]]
     sc = poison(cuda.device_array((P["qi"].shape[0], G), np.float32))
     prof = arch_profile((9, 0))
     K.launch_tiled(*d, sc, prof, 0)
@@ -180,10 +189,30 @@ def _topk_case(rng, kind, rows=6, G=70):
     elif kind == "signed_zero":
         s = np.where(rng.random((rows, G)) < 0.5, np.float32(-0.0), np.float32(0.0))
         s[:, 3::11] = np.float32(2.0)
+    elif kind == "clustered":    # one top-12-bit bin: the bitmap kernel resolves lower digits
+        s = (1.0 + 1e-3 * rng.random((rows, G))).astype(np.float32)
+        s[:, ::7] = 1.0
     else:                        # large magnitudes of both signs, -inf past nb
         s = (rng.standard_normal((rows, G)) * 1e30).astype(np.float32)
         s[:, G // 2:] = -np.inf
     return s, req, pos, lens
+
+
+@pytest.mark.parametrize("kind", ["random", "clustered", "plateau", "zeros", "wide"])
+@pytest.mark.parametrize("bitmap", [True, False])
+def test_topk_kernels(rng, kind, bitmap):
+    """Both top-k kernels on device arrays (the bitmap one: candidate path and global fallback)."""
+    from numba import cuda
+    from numqsa.kernels import topk as KT
+    from numqsa.plan import arch_profile
+    G = 120 if bitmap else 70          # the simulator's bitmap kernel takes rows up to 128 groups
+    s, req, pos, lens = _topk_case(rng, kind, G=G)
+    for kb in (5, 17):
+        out = poison(cuda.device_array((s.shape[0], kb), np.int32))
+        d = [cuda.to_device(x) for x in (s.view(np.uint32), req, pos, lens)]
+        KT.launch_topk(*d, out, arch_profile((9, 0)), 0, bitmap=bitmap)
+        want = oracle.topk_groups(s.astype(np.float64), req, pos, lens, Kb=kb)
+        np.testing.assert_array_equal(out.copy_to_host(), want, err_msg=f"Kb={kb}")
 
 
 @pytest.mark.parametrize("kind", ["random", "zeros", "plateau", "signed_zero", "wide"])

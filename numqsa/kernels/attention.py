@@ -63,7 +63,8 @@ def make_attention_kernel(d, hg, threads):
     NEG_INF = float32(-math.inf)
     F0, F1 = float32(0), float32(1)
 
-    def kernel(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale, out, lse):
+    def kernel(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale, out, lse,
+               skip):
         sq = cuda.shared.array((HG, D), float32)
         sk = cuda.shared.array((T, DP), float32)
         sv = cuda.shared.array((T, D), float32)
@@ -75,6 +76,9 @@ def make_attention_kernel(d, hg, threads):
         tid = uint32(cuda.threadIdx.x)
         row = uint32(cuda.blockIdx.x)
         j = uint32(cuda.blockIdx.y)
+        if row < uint32(skip.shape[0]):
+            if skip[row] > int32(0):       # already written by the page-4 route (block-uniform exit)
+                return
         num_pages = int32(k_cache.shape[0])
         page_size = int32(k_cache.shape[1])
         cols = int32(block_table.shape[1])
@@ -217,15 +221,22 @@ def generic_threads(profile):
 
 
 def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale,
-                     out, lse, profile, stream):
-    """Generic route on device arrays; ``out [rows, Hq, D]`` and ``lse [rows, Hq]`` float32 are written."""
+                     out, lse, profile, stream, skip=None):
+    """Generic route on device arrays; ``out [rows, Hq, D]`` and ``lse [rows, Hq]`` float32 are written.
+
+    ``skip`` (int32 ``[rows]``, optional): rows with ``skip[i] > 0`` are left as they are (the page-4
+    route passes its plan's page counts, so only the rows it could not plan are computed here).
+    """
+    from .. import device as dev
     rows, hq, d = q.shape
+    if skip is None:
+        skip = dev.constant(np.zeros(0, np.int32), stream)
     hkv = k_cache.shape[2]
     if rows == 0:
         return out, lse
     k = make_attention_kernel(int(d), int(hq // hkv), generic_threads(profile))
     k[(rows, hkv), k.threads, stream](q, k_cache, v_cache, block_table, tokens, counts, req_ids,
-                                      seq_lens, np.float32(scale), out, lse)
+                                      seq_lens, np.float32(scale), out, lse, skip)
     return out, lse
 
 
@@ -235,7 +246,7 @@ def _resource_cases():
         for hg in (6, 12):
             k = make_attention_kernel(256, hg, 128)
             sig = (f"void({dt}[:, :, :], {dt}[:, :, :, :], {dt}[:, :, :, :], int32[:, :], int32[:, :], "
-                   f"int32[:], int32[:], int32[:], float32, {dt}[:, :, :], float32[:, :])")
+                   f"int32[:], int32[:], int32[:], float32, {dt}[:, :, :], float32[:, :], int32[:])")
             if dt == "float32" and hg == 12:
                 continue
             cases.append((f"attention_generic_{dt}_g{hg}", k, sig, 128, 0, None))

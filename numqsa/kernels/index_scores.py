@@ -22,6 +22,7 @@ from numba import cuda, float32, int32, uint32
 
 from ..jit import SIMULATOR, device_jit, jit
 from .common import row_state
+from .mma import pack_f16x2 as _pack_pair
 
 NEG_INF = float32(-math.inf)
 
@@ -182,6 +183,36 @@ def launch_light(qi, index_cache, index_block_table, req_ids, positions, seq_len
     return scores
 
 
+
+@device_jit
+def _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, tm):
+    """Once per block: the distinct valid requests among the block's ``tm`` rows (``r_req``), in
+    first-row order, into ``u_req[:n]`` with each request's largest ``nb`` in ``u_nb``; returns n.
+    Every thread calls it (it synchronises the block three times)."""
+    cuda.syncthreads()
+    if tid < uint32(tm):
+        rq = r_req[tid]
+        lead = rq >= int32(0)
+        nbm = int32(0)
+        for s2 in range(tm):
+            if r_req[s2] == rq:
+                if uint32(s2) < tid:
+                    lead = False
+                nbm = max(nbm, r_nb[s2])
+        u_nb[tid] = nbm if lead else int32(-1)
+    cuda.syncthreads()
+    if tid == uint32(0):
+        n = int32(0)
+        for s in range(tm):
+            if u_nb[s] >= int32(0):
+                u_req[n] = r_req[s]
+                u_nb[n] = u_nb[s]
+                n += int32(1)
+        n_u[0] = n
+    cuda.syncthreads()
+    return n_u[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # Tiled tensor-core route
 # ------------------------------------------------------------------------------------------------
@@ -269,6 +300,9 @@ def make_tiled_scores_kernel(kind, hi, di, r):
         k_s = cuda.shared.array((TN, DIWP), uint32)
         r_req = cuda.shared.array(TM, int32)
         r_nb = cuda.shared.array(TM, int32)
+        u_req = cuda.shared.array(TM, int32)
+        u_nb = cuda.shared.array(TM, int32)
+        n_u = cuda.shared.array(1, int32)
         scr = cuda.shared.array((WARPS, SCRW), uint32)
         xs = cuda.shared.array((WARPS, XS), float32)
         a_reg = cuda.local.array(AREG, uint32)
@@ -293,6 +327,7 @@ def make_tiled_scores_kernel(kind, hi, di, r):
                 rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
             r_req[tid] = rq
             r_nb[tid] = min(nbv, int32(ngroups))
+        nu = _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, TM)
 
         # A fragments of this warp's 16 (row, head) pairs, straight from global memory
         wrow0 = row0 + warp * uint32(RW)
@@ -325,16 +360,10 @@ def make_tiled_scores_kernel(kind, hi, di, r):
 
         e0 = span0
         while e0 < span1:
-            for s in range(TM):
-                target = r_req[s]
-                first = target >= int32(0)
-                nbmax = int32(0)
-                for s2 in range(TM):
-                    if r_req[s2] == target:
-                        if s2 < s:
-                            first = False
-                        nbmax = max(nbmax, r_nb[s2])
-                if first and int32(e0) < nbmax:       # uniform across the block
+            for u in range(nu):
+                target = u_req[u]
+                nbmax = u_nb[u]
+                if int32(e0) < nbmax:                 # uniform across the block
                     for idx in range(tid, uint32(TN * DIW), uint32(NT)):
                         kk = idx // uint32(DIW)
                         wd = idx - kk * uint32(DIW)
@@ -424,15 +453,275 @@ def make_tiled_scores_kernel(kind, hi, di, r):
 
 
 def launch_tiled(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
-                 profile, stream, r=4):
-    """Launch the tensor-core route (``profile.scores.mma`` picks m16n8k16 or m8n8k4)."""
+                 profile, stream, r=4, variant=None, **keysm_options):
+    """Launch the tensor-core route: the keys-as-M kernel on sm_80+ with Hi <= 4, else the
+    per-warp-M kernel (``profile.scores.mma`` picks m16n8k16 or m8n8k4); ``variant`` "keysm" or
+    "generic" forces one (tests, benchmarks)."""
     rows, groups = scores.shape
     if rows == 0 or groups == 0:
         return scores
+    if variant is None:
+        variant = "keysm" if keysm_supported(profile, qi) else "generic"
+    if variant == "keysm":
+        return launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+                            scores, profile, stream, r=r, **keysm_options)
     k = make_tiled_scores_kernel(profile.scores.mma, int(qi.shape[1]), int(qi.shape[2]), int(r))
     row_tiles = -(-rows // k.rows_per_block)
     span = light_keys_per_block(row_tiles, groups, k.keys_per_tile, profile.sm_count)
     grid = (-(-groups // span), row_tiles)
+    k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+                               np.int32(span), scores)
+    return scores
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys-as-M tensor-core route (m16n8k16, Hi <= 4): the head sum stays inside each thread
+# ------------------------------------------------------------------------------------------------
+
+KEYSM_HEADS = (1, 2, 4)
+
+
+def word_view(a):
+    """A uint32 view (pairs of float16 along the last axis) of a float16 array, or None.
+
+    Needs the last axis contiguous with an even length and 4-byte aligned rows; any other strides
+    are kept (interleaved or transposed caches)."""
+    from oracle.validate import dtype_name
+    shape, strides = tuple(a.shape), tuple(a.strides)
+    if dtype_name(a) != "float16" or shape[-1] % 2 or strides[-1] != 2:
+        return None
+    if any(st % 4 for st in strides[:-1]):
+        return None
+    if SIMULATOR:
+        return a.view(np.uint32) if a.is_c_contiguous() else None
+    if a.device_ctypes_pointer.value % 4:
+        return None
+    if a.is_c_contiguous():
+        return a.view(np.uint32)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    return DeviceNDArray(shape=shape[:-1] + (shape[-1] // 2,),
+                         strides=strides[:-1] + (4,), dtype=np.dtype(np.uint32),
+                         stream=a.stream, gpu_data=a.gpu_data)
+
+
+@device_jit
+def _word_u32(a, i, j, w):
+    return a[i, j, w]
+
+
+@device_jit
+def _word_f16(a, i, j, w):
+    from_ = uint32(2) * w
+    return _pack_pair(a[i, j, from_], a[i, j, from_ + uint32(1)])
+
+
+def _keysm_shape(warps):
+    """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, 64 keys (17 KB);
+    simulator: 2 warps, 16 keys."""
+    return (2, 16) if SIMULATOR else (warps, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
+    """Tensor-core index scores with the keys as the M side of m16n8k16 (sm_80+, ``Hi`` 1, 2, 4).
+
+    Each warp owns 8 query rows (the N = 8 of the mma) and keeps their queries for all ``Hi`` heads
+    as B fragments in registers (``Hi * Di / 8`` words per lane); the block stages ``TN`` keys in
+    shared memory (packed f16x2 words, row padded to ``Di/2 + 4`` words: the A fragment loads are
+    bank-conflict free) and every warp multiplies its rows with all of them: one A fragment (4
+    shared loads) feeds ``Hi`` mmas, one per head. The accumulator element ``(key, row)`` of head
+    ``h`` sits in the same lane and register for every head, so ReLU and the head sum are plain
+    register arithmetic; the 4 results of a lane go straight to global memory (8 consecutive keys
+    of 4 rows per store: whole 32-byte sectors).
+
+    ``words``: the keys and queries are uint32 views (:func:`word_view`), one load per pair of
+    float16; otherwise float16 arrays read per element and packed.
+    Grid ``(ceil(G / keys_per_block), ceil(rows / TM))``, ``TM = 8 * warps`` rows, ``32 * warps``
+    threads. Shared memory: ``TN * (Di/2 + 4) * 4 + TN * 8 + TM * 16`` bytes (18.5 KB at TN 64, Di
+    128) plus the simulator's mma scratch. Rows of several requests: one pass per distinct request
+    (the distinct list is built once per block). Entries past ``nb`` (and inert rows) get ``-inf``.
+    """
+    from . import mma as M
+
+    if hi not in KEYSM_HEADS or di % 16:
+        raise ValueError(f"keys-as-M scores need Hi in {KEYSM_HEADS} and Di % 16 == 0")
+    WARPS, TN = _keysm_shape(warps)
+    NT = 32 * WARPS
+    TM = WARPS * 8
+    MT = TN // 16
+    HI = hi
+    DIW = di // 2
+    DIWP = DIW + 4
+    KS = di // 16
+    BREG = hi * KS * 2
+    ACC = hi * 4
+    inv_sqrt = float32(1.0 / math.sqrt(di))
+    SCRW = M.SCRATCH_WORDS
+    U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
+    F0 = float32(0.0)
+    mma16 = M.mma_m16n8k16_f16
+    word = _word_u32 if words else _word_f16
+    MINB = minb
+
+    @jit(launch_bounds=(NT, MINB))
+    def keysm_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+                     keys_per_block, scores):
+        k_s = cuda.shared.array((TN, DIWP), uint32)
+        k_pg = cuda.shared.array(TN, int32)
+        k_rr = cuda.shared.array(TN, uint32)
+        r_req = cuda.shared.array(TM, int32)
+        r_nb = cuda.shared.array(TM, int32)
+        r_nbm = cuda.shared.array(TM, int32)
+        u_req = cuda.shared.array(TM, int32)
+        u_nb = cuda.shared.array(TM, int32)
+        n_u = cuda.shared.array(1, int32)
+        scr = cuda.shared.array((WARPS, SCRW), uint32)
+        b_reg = cuda.local.array(BREG, uint32)
+        acc = cuda.local.array(ACC, float32)
+
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & U31
+        g = lane >> U2
+        t = lane & U3
+        rows = uint32(scores.shape[0])
+        ngroups = uint32(scores.shape[1])
+        row0 = uint32(cuda.blockIdx.y) * uint32(TM)
+        span0 = uint32(cuda.blockIdx.x) * uint32(keys_per_block)
+        span1 = min(span0 + uint32(keys_per_block), ngroups)
+        n_pages = int32(index_cache.shape[0])
+        rpp = uint32(index_cache.shape[1])
+        tcols = uint32(index_block_table.shape[1])
+
+        if tid < uint32(TM):
+            i = row0 + tid
+            rq = int32(-1)
+            nbv = int32(0)
+            if i < rows:
+                rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
+            r_req[tid] = rq
+            r_nb[tid] = min(nbv, int32(ngroups))
+        nu = _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, TM)
+        if tid < uint32(TM):                  # the longest nb among this row's request's rows
+            r_nbm[tid] = int32(0)
+            for u in range(nu):
+                if u_req[u] == r_req[tid]:
+                    r_nbm[tid] = u_nb[u]
+        cuda.syncthreads()
+
+        # this lane's two output rows (the accumulator columns 2t, 2t+1 of its warp's 8 rows)
+        # (read back from shared memory where used: registers go to the B fragments)
+        la = warp * U8 + U2 * t
+
+        # B fragments: query row g of the warp, head h, k-step ks: words 8ks + t (+4)
+        qrow = row0 + warp * U8 + g
+        for h in range(HI):
+            for ks in range(KS):
+                for j in range(2):
+                    w = uint32(0)
+                    if qrow < rows:
+                        w = word(qi, qrow, uint32(h), uint32(8 * ks + 4 * j) + t)
+                    b_reg[(h * KS + ks) * 2 + j] = w
+
+        e0 = span0
+        while e0 < span1:
+            for u in range(nu):
+                target = u_req[u]
+                nbmax = u_nb[u]
+                if int32(e0) < nbmax:                 # uniform across the block
+                    if tid < uint32(TN):
+                        ek = e0 + tid
+                        pg = int32(-1)
+                        rr_ = uint32(0)
+                        if int32(ek) < nbmax:
+                            col = ek // rpp
+                            if col < tcols:
+                                page = int32(index_block_table[target, col])
+                                if page >= int32(0) and page < n_pages:
+                                    pg = page
+                                    rr_ = ek - col * rpp
+                        k_pg[tid] = pg
+                        k_rr[tid] = rr_
+                    cuda.syncthreads()
+                    for idx in range(tid, uint32(TN * DIW), uint32(NT)):
+                        kk = idx // uint32(DIW)
+                        wd = idx - kk * uint32(DIW)
+                        pg = k_pg[kk]
+                        v = uint32(0)
+                        if pg >= int32(0):
+                            v = word(index_cache, pg, k_rr[kk], wd)
+                        k_s[kk, wd] = v
+                    cuda.syncthreads()
+                    for mt in range(MT):
+                        for a_ in range(ACC):
+                            acc[a_] = F0
+                        m = uint32(16 * mt) + g
+                        for ks in range(KS):
+                            kw = uint32(8 * ks) + t
+                            a = (k_s[m, kw], k_s[m + U8, kw], k_s[m, kw + U4],
+                                 k_s[m + U8, kw + U4])
+                            for h in range(HI):
+                                c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
+                                bi = (h * KS + ks) * 2
+                                d = mma16(a, (b_reg[bi], b_reg[bi + 1]), c, scr[warp], lane)
+                                acc[h * 4] = d[0]
+                                acc[h * 4 + 1] = d[1]
+                                acc[h * 4 + 2] = d[2]
+                                acc[h * 4 + 3] = d[3]
+                        for ii in range(4):
+                            v = F0
+                            for h in range(HI):
+                                v += max(acc[h * 4 + ii], F0)
+                            e = e0 + m + U8 * (uint32(ii) >> uint32(1))
+                            lr = la + uint32(ii & 1)
+                            orow = row0 + lr
+                            if orow < rows and r_req[lr] == target and e < span1:
+                                if int32(e) < r_nb[lr]:
+                                    scores[orow, e] = v * inv_sqrt
+                                else:
+                                    scores[orow, e] = NEG_INF
+                    cuda.syncthreads()
+            # rows no pass covered in this tile (inert, or every group here past their request's
+            # longest row): -inf, in the same store pattern
+            for ab in range(2):
+                lr = la + uint32(ab)
+                if row0 + lr < rows and not (r_req[lr] >= int32(0) and int32(e0) < r_nbm[lr]):
+                    for mt in range(MT):
+                        for half in range(2):
+                            e = e0 + uint32(16 * mt) + g + U8 * uint32(half)
+                            if e < span1:
+                                scores[row0 + lr, e] = NEG_INF
+            e0 += uint32(TN)
+
+    keysm_scores.rows_per_block = TM
+    keysm_scores.threads = NT
+    keysm_scores.keys_per_tile = TN
+    return keysm_scores
+
+
+def keysm_supported(profile, qi):
+    return profile.scores.mma == "m16n8k16" and int(qi.shape[1]) in KEYSM_HEADS
+
+
+def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
+                 profile, stream, r=4, span_tiles=16, warps=8, minb=1):
+    """Launch the keys-as-M route; ``span_tiles`` key tiles per block at most (the queries are
+    loaded into registers once per block)."""
+    rows, groups = scores.shape
+    if rows == 0 or groups == 0:
+        return scores
+    wq, wk = word_view(qi), word_view(index_cache)
+    words = wq is not None and wk is not None
+    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps, minb)
+    row_tiles = -(-rows // k.rows_per_block)
+    tn = k.keys_per_tile
+    span = tn * span_tiles
+    while span > tn and row_tiles * -(-groups // span) < 4 * profile.sm_count:
+        span //= 2
+    grid = (-(-groups // span), row_tiles)
+    if words:
+        qi, index_cache = wq, wk
     k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
                                np.int32(span), scores)
     return scores
@@ -456,3 +745,9 @@ for _kind, _ccs in (("m16n8k16", ((9, 0),)), ("m8n8k4", ((7, 0), (9, 0)))):
             "int32, float32[:, :])")
     for _cc in _ccs:
         RESOURCE_CASES.append((f"index_scores.tiled.{_kind}", _k, _sig, _k.threads, 0, _cc))
+for _words in (True, False):
+    _k = make_keysm_scores_kernel(4, 128, 4, _words)
+    _t = "uint32" if _words else "float16"
+    _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], int32[:, :], int32[:], int32[:], int32[:], "
+            "int32, float32[:, :])")
+    RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))

@@ -9,11 +9,12 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32
 from numba.cuda.types import float16
 
 from ..jit import SIMULATOR, device_jit, jit
-from .mma import SCRATCH_WORDS, mma_m8n8k4_f16, mma_m16n8k16_f16, pack_f16x2
+from .mma import (SCRATCH_WORDS, ld_global_nc_v4_u32, mma_m8n8k4_f16, mma_m16n8k16_f16,
+                  pack_f16x2)
 
 __all__ = ["make_plan_kernel", "launch_plan", "make_page4_kernel", "launch_page4", "page4_groups",
            "stage_pages", "RESOURCE_CASES"]
@@ -617,19 +618,641 @@ def _page_row(cur, mine, tb, p, keysrc, row, keyed, front, sbits, spre, nv, tl, 
     return True, slot * uint32(4), ln
 
 
-def page4_groups(req_ids_host, group_rows):
-    """``[n, 2]`` int32 (first row, count): runs of equal request ids cut every ``group_rows`` rows."""
-    rid = np.asarray(req_ids_host, dtype=np.int64)
-    n = rid.shape[0]
-    if n == 0:
-        return np.zeros((0, 2), np.int32)
-    starts = np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]])
-    ends = np.r_[starts[1:], n]
-    out = []
-    for s, e in zip(starts, ends):
-        for a in range(int(s), int(e), group_rows):
-            out.append((a, min(group_rows, int(e) - a)))
-    return np.asarray(out, dtype=np.int32)
+
+# ------------------------------------------------------------------------------------------------
+# Grouped tensor-core attention, token-major (sm_80+): 16 own tokens per mma step in both products
+# ------------------------------------------------------------------------------------------------
+
+INT_MAX_U = 0x7FFFFFFF
+
+
+def tc_stage_pages(group_rows):
+    """Virtual pages per stage of the token-major kernel: at least ``3 * G + 1`` (the progress bound
+    of :func:`make_page4_tc_kernel`), at most 32 (one candidate per lane)."""
+    g = int(group_rows)
+    if SIMULATOR:
+        return 3 * g + 1                       # smallest legal stage: CI crosses many stages
+    return min(32, max(3 * g + 1, 4 * g))
+
+
+def tc_smem_bytes(d, stage_pages):
+    """Dynamic shared memory of the token-major kernel: K stage + transposed V stage."""
+    kw = d // 2 + 4
+    vw = 2 * stage_pages + 4
+    return 4 * (4 * stage_pages * kw + d * vw)
+
+
+@functools.lru_cache(maxsize=None)
+def _tc_warp_fns():
+    """(col_max, col_sum, warp_sync): reductions over the 8 lanes sharing ``lane % 4``.
+
+    GPU: xor shuffles 4, 8, 16. Simulator (no shuffles): through a per-warp shared row, every warp
+    of the block calling them together (the caller guarantees equal trip counts there).
+    """
+    if SIMULATOR:
+        def ws():
+            cuda.syncthreads()
+
+        def col_max(x, lane, buf):
+            buf[lane] = x
+            cuda.syncthreads()
+            r = buf[lane & uint32(3)]
+            for i in range(1, 8):
+                r = max(r, buf[(lane & uint32(3)) + uint32(4 * i)])
+            cuda.syncthreads()
+            return r
+
+        def col_sum(x, lane, buf):
+            buf[lane] = x
+            cuda.syncthreads()
+            r = buf[lane & uint32(3)]
+            for i in range(1, 8):
+                r += buf[(lane & uint32(3)) + uint32(4 * i)]
+            cuda.syncthreads()
+            return r
+    else:
+        def ws():
+            cuda.syncwarp()
+
+        def col_max(x, lane, buf):
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 4))
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 8))
+            return max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 16))
+
+        def col_sum(x, lane, buf):
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
+            return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
+    return (device_jit(col_max, forceinline=True), device_jit(col_sum, forceinline=True),
+            device_jit(ws, forceinline=True))
+
+
+@device_jit(forceinline=True)
+def _count_below(arr, w, key):
+    """Entries ``< key`` in the sorted row ``arr[w, 0:32]`` (binary search)."""
+    pos = uint32(0)
+    if arr[w, pos + uint32(15)] < key:
+        pos += uint32(16)
+    if arr[w, pos + uint32(7)] < key:
+        pos += uint32(8)
+    if arr[w, pos + uint32(3)] < key:
+        pos += uint32(4)
+    if arr[w, pos + uint32(1)] < key:
+        pos += uint32(2)
+    if arr[w, pos] < key:
+        pos += uint32(1)
+    if pos == uint32(31):
+        if arr[w, pos] < key:
+            pos += uint32(1)
+    return pos
+
+
+@device_jit(forceinline=True)
+def _ld16(cache, words, vec, sw, pg, sl, j, d0):
+    """Four words (8 float16 at d0..d0+7) of ``cache[pg, sl, j]``: one 16-byte load when ``vec``."""
+    if vec:
+        base = int64(pg) * sw[0] + int64(sl) * sw[1] + int64(j) * sw[2] + int64(d0 >> uint32(1))
+        return ld_global_nc_v4_u32(words, base)
+    w0 = pack_f16x2(cache[pg, sl, j, d0], cache[pg, sl, j, d0 + uint32(1)])
+    w1 = pack_f16x2(cache[pg, sl, j, d0 + uint32(2)], cache[pg, sl, j, d0 + uint32(3)])
+    w2 = pack_f16x2(cache[pg, sl, j, d0 + uint32(4)], cache[pg, sl, j, d0 + uint32(5)])
+    w3 = pack_f16x2(cache[pg, sl, j, d0 + uint32(6)], cache[pg, sl, j, d0 + uint32(7)])
+    return (w0, w1, w2, w3)
+
+
+@device_jit(forceinline=True)
+def _k_load(e, n, cache, words, vec, sw, spg, ssl, page_size, j, dc):
+    """K stage item ``e`` (token row ``e // dc``, 16-byte chunk ``e % dc``): its four words."""
+    x = (uint32(0), uint32(0), uint32(0), uint32(0))
+    if e < n:
+        tr = e // uint32(dc)
+        c = e - tr * uint32(dc)
+        s = tr >> uint32(2)
+        sl = ssl[s] + int32(tr & uint32(3))
+        if sl < page_size:
+            x = _ld16(cache, words, vec, sw, spg[s], sl, j, c * uint32(8))
+    return x
+
+
+@device_jit(forceinline=True)
+def _k_store(dyn, e, n, x, dc, ukw):
+    """Store item ``e``'s words at row ``e // dc``; word order rotated by ``chunk // 8`` so the 32
+    lanes of a row hit 32 different banks."""
+    if e < n:
+        tr = e // uint32(dc)
+        c = e - tr * uint32(dc)
+        rot = c >> uint32(3)
+        b = tr * ukw + uint32(4) * c
+        for kk in range(4):
+            i = (uint32(kk) + rot) & uint32(3)
+            dyn[b + i] = _pick4(x, i)
+
+
+@device_jit(forceinline=True)
+def _pick4(w, i):
+    r = w[0]
+    if i == uint32(1):
+        r = w[1]
+    elif i == uint32(2):
+        r = w[2]
+    elif i == uint32(3):
+        r = w[3]
+    return r
+
+
+@device_jit(forceinline=True)
+def _own_page(srank, warp, xp, cnt, cur, nv, tl):
+    """Stage slot and valid length of own page ``cur + xp`` (length 0 beyond this stage's pages)."""
+    if xp >= cnt:
+        return uint32(0), int32(0)
+    ln = int32(4)
+    if cur + xp == nv - int32(1) and tl > int32(0):
+        ln = tl
+    return uint32(srank[warp, xp]), ln
+
+
+@functools.lru_cache(maxsize=None)
+def make_page4_tc_kernel(d, group_rows, stage_pages, r=4):
+    """Token-major grouped page-4 attention (m16n8k16). Grid ``(groups, Hkv, ceil(Hg / 8))``,
+    block ``32 * group_rows``; dynamic shared memory :func:`tc_smem_bytes`.
+
+    Block = up to ``G`` adjacent rows of one request x one KV head x 8 query heads; warp ``w`` owns
+    row ``group_start + w``. Per stage:
+
+    - candidates: lane ``x`` of warp ``w`` holds the logical key of its row's own page ``cur + x``;
+      a key is "canonical" in the lowest row holding it; every entry's rank = number of distinct
+      keys below it (binary searches over the G sorted candidate rows + popcounts of canonical
+      masks). The stage = the ``C`` smallest distinct keys; a row consumes its candidates below the
+      cut, rounded down to whole chunks of 4 own pages (unless it reaches its end). ``C >= 3G + 1``
+      guarantees progress: the row whose first chunk ends lowest always has it inside the stage.
+    - load: K rows ``[slot*4 + u][D/2 + 4 words]`` and V TRANSPOSED ``[d][2C + 4 words]`` (a word =
+      two consecutive tokens of one page), with 16-byte global loads when the cache's D axis is
+      contiguous and 16-byte aligned, else element loads. Slots past a page's end are zero.
+    - per chunk of 16 own tokens (4 own pages, logical order): S^T[16 tok x 8 heads] = K Q^T
+      (D/16 mma, Q^T fragments in registers), online softmax per chunk (per-head max and lane
+      partial sums over the 8 lanes of a column), P^T to the B layout through a 16x8 float16
+      per-warp tile, then O^T[d x 8 heads] = O^T * alpha + V^T P^T: D/16 mma with all 16 k slots
+      used. Masked tokens: S = -inf, P = 0, V operand words ANDed to zero.
+
+    Invariance: a row's arithmetic depends only on its own pages in logical order (chunks are its
+    own pages 4c..4c+3; stage cuts never split a chunk), not on the group, stage boundaries or
+    physical placement.
+
+    Shared memory: dynamic ``4 * (4C (D/2 + 4) + D (2C + 4))`` bytes (d 256: C 16 -> 69 KB, C 28 ->
+    120 KB) plus ~0.5 KB + 0.9 KB per warp static.
+    """
+    D, G, C, R = int(d), int(group_rows), int(stage_pages), int(r)
+    if D % 16:
+        raise ValueError(f"the token-major page-4 kernel needs d % 16 == 0, got {D}")
+    if not (3 * G + 1 <= C <= 32):
+        raise ValueError(f"stage_pages {C} must be in [3 * group_rows + 1, 32]")
+    if R != 4:
+        raise ValueError("virtual pages are 4 tokens")
+    NT = 32 * G
+    KW = D // 2 + 4
+    VW = 2 * C + 4
+    NK = 4 * C * KW
+    NKS = D // 16
+    DC = D // 8                       # 16-byte chunks per token row
+    DC2 = D // 16                     # 32-byte chunks (V items)
+    NQW = 2 * NKS                     # Q^T fragment words per lane
+    NOA = 4 * NKS                     # O^T accumulators per lane
+    U0, U1, U2, U3, U4, U8 = (uint32(v) for v in (0, 1, 2, 3, 4, 8))
+    U31, UNT, UC, UD = uint32(31), uint32(NT), uint32(C), uint32(D)
+    UKW, UVW, UNK = uint32(KW), uint32(VW), uint32(NK)
+    F0, F1 = float32(0), float32(1)
+    NEG_INF = float32(-math.inf)
+    IMAX = int32(INT_MAX_U)
+    FULL = uint32(0xFFFFFFFF)
+    LO16, HI16 = uint32(0x0000FFFF), uint32(0xFFFF0000)
+    HT = HEAD_TILE
+    SIM = SIMULATOR
+    col_max, col_sum, ws = _tc_warp_fns()
+    mma16 = mma_m16n8k16_f16
+
+    def kernel(q, k_cache, v_cache, kwords, vwords, ksw, vsw, vec, pages, num_vpages, tail_len,
+               keysrc, use_keys, groups, scale, out, lse):
+        dyn = cuda.shared.array(0, uint32)
+        scand = cuda.shared.array((G, 32), int32)
+        srank = cuda.shared.array((G, 32), int32)
+        smask = cuda.shared.array(G, uint32)
+        spg = cuda.shared.array(C, int32)
+        ssl = cuda.shared.array(C, int32)
+        sctl = cuda.shared.array(2, int32)
+        swc = cuda.shared.array(G, int32)
+        sp = cuda.shared.array((G, HT, 16), float16)
+        sred = cuda.shared.array((G, 32), float32)
+        scr = cuda.shared.array((G, SCRATCH_WORDS), uint32)
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & U31
+        g = lane >> U2
+        t = lane & U3
+        grp = uint32(cuda.blockIdx.x)
+        j = uint32(cuda.blockIdx.y)
+        ht = uint32(cuda.blockIdx.z)
+        num_pages = int32(k_cache.shape[0])
+        page_size = int32(k_cache.shape[1])
+        hkv = uint32(k_cache.shape[2])
+        hg = uint32(q.shape[1]) // hkv
+        h0 = j * hg + ht * uint32(HT)
+        nh = min(uint32(HT), hg - ht * uint32(HT))
+        g0 = uint32(groups[grp, 0])
+        gcount = uint32(groups[grp, 1])
+        row = g0 + warp
+        live = warp < gcount
+        keyed = use_keys != int32(0)
+        vecl = vec != int32(0)
+        rbuf = sred[warp]
+
+        # ---- validate this warp's row: page ids, slots and keys in range, keys increasing
+        if lane == U0:
+            swc[warp] = int32(0)
+        nv = int32(0)
+        tl = int32(0)
+        if live:
+            nv = min(max(int32(num_vpages[row]), int32(0)), int32(pages.shape[1]))
+            tl = int32(tail_len[row])
+        cuda.syncthreads()
+        if live:
+            if tl < int32(0) or tl >= int32(R):
+                swc[warp] = int32(1)
+            for v in range(lane, uint32(nv), uint32(32)):
+                pg = int32(pages[row, v, 0])
+                sl = int32(pages[row, v, 1])
+                ln = int32(R)
+                if int32(v) == nv - int32(1) and tl > int32(0):
+                    ln = tl
+                if pg < int32(0) or pg >= num_pages or sl < int32(0) or sl + ln > page_size:
+                    swc[warp] = int32(1)
+                if keyed:
+                    kv = int32(keysrc[row, v * U4])
+                    if kv < int32(0):
+                        swc[warp] = int32(1)
+                    if v > U0:
+                        if int32(keysrc[row, (v - U1) * U4]) // int32(R) >= kv // int32(R):
+                            swc[warp] = int32(1)
+        cuda.syncthreads()
+        if swc[warp] != int32(0):
+            nv = int32(0)
+
+        # ---- Q^T B fragments: head g, d = 16 ks + 2t (+8): zero for padding heads / idle warps
+        qf = cuda.local.array(NQW, uint32)
+        for ks in range(NKS):
+            w0 = U0
+            w1 = U0
+            if live and g < nh:
+                dd = uint32(16 * ks) + U2 * t
+                hq_ = h0 + g
+                w0 = pack_f16x2(q[row, hq_, dd], q[row, hq_, dd + U1])
+                w1 = pack_f16x2(q[row, hq_, dd + U8], q[row, hq_, dd + uint32(9)])
+            qf[2 * ks] = w0
+            qf[2 * ks + 1] = w1
+        oacc = cuda.local.array(NOA, float32)
+        for x in range(NOA):
+            oacc[x] = F0
+        m0 = NEG_INF            # running max of heads 2t, 2t+1
+        m1 = NEG_INF
+        l0 = F0                 # this lane's partial sums (tokens g, g+8 of every chunk)
+        l1 = F0
+
+        cur = int32(0)
+        while True:
+            # ---- candidates: the keys of own pages cur .. cur + 31
+            xo = cur + int32(lane)
+            key = IMAX
+            if xo < nv:
+                key = xo
+                if keyed:
+                    key = int32(keysrc[row, uint32(xo) * U4]) // int32(R)
+            scand[warp, lane] = key
+            if lane == U0:
+                smask[warp] = U0
+            if tid == U0:
+                sctl[0] = IMAX
+                sctl[1] = int32(0)
+            cuda.syncthreads()
+            canon = key != IMAX
+            for w2 in range(G):
+                if canon and uint32(w2) < warp:
+                    pos = _count_below(scand, uint32(w2), key)
+                    if pos < uint32(32):
+                        if scand[uint32(w2), pos] == key:
+                            canon = False
+            if canon:
+                cuda.atomic.or_(smask, warp, U1 << lane)
+            cuda.syncthreads()
+            rank = uint32(0)
+            total = uint32(0)
+            for w2 in range(G):
+                mk = smask[w2]
+                total += uint32(cuda.popc(mk))
+                pos = _count_below(scand, uint32(w2), key)
+                low = FULL
+                if pos < uint32(32):
+                    low = (U1 << pos) - U1
+                rank += uint32(cuda.popc(mk & low))
+            srank[warp, lane] = int32(rank)
+            if canon:
+                if rank < UC:
+                    spg[rank] = int32(pages[row, uint32(xo), 0])
+                    ssl[rank] = int32(pages[row, uint32(xo), 1])
+                elif rank == UC:
+                    sctl[0] = key
+            cuda.syncthreads()
+            if total == U0:
+                break
+            cut = sctl[0]
+            nstage = min(total, UC)
+            cnt = int32(_count_below(scand, warp, cut))
+            if cur + cnt < nv:
+                cnt = cnt & int32(~3)
+            nch = (cnt + int32(3)) >> int32(2)
+            if SIM and lane == U0:
+                cuda.atomic.max(sctl, 1, nch)
+
+            # ---- load the stage. K: item = (token row, 16-byte chunk), chunks fastest.
+            nk_items = nstage * U4 * uint32(DC)
+            for e0 in range(tid, nk_items, UNT * U4):      # 4 loads in flight per thread
+                x0 = _k_load(e0, nk_items, k_cache, kwords, vecl, ksw, spg, ssl, page_size, j, DC)
+                x1 = _k_load(e0 + UNT, nk_items, k_cache, kwords, vecl, ksw, spg, ssl, page_size,
+                             j, DC)
+                x2 = _k_load(e0 + U2 * UNT, nk_items, k_cache, kwords, vecl, ksw, spg, ssl,
+                             page_size, j, DC)
+                x3 = _k_load(e0 + U3 * UNT, nk_items, k_cache, kwords, vecl, ksw, spg, ssl,
+                             page_size, j, DC)
+                _k_store(dyn, e0, nk_items, x0, DC, UKW)
+                _k_store(dyn, e0 + UNT, nk_items, x1, DC, UKW)
+                _k_store(dyn, e0 + U2 * UNT, nk_items, x2, DC, UKW)
+                _k_store(dyn, e0 + U3 * UNT, nk_items, x3, DC, UKW)
+            # V: item = (32-byte chunk, slot, token pair), (slot, pair) fastest; 16 words out.
+            ncol = nstage * U2
+            nv_items = ncol * uint32(DC2)
+            for e in range(tid, nv_items, UNT):
+                c2 = e // ncol
+                col = e - c2 * ncol
+                s = col >> U1
+                u0 = (col & U1) * U2
+                pg = spg[s]
+                sla = ssl[s] + int32(u0)
+                d0 = c2 * uint32(16)
+                ya = (U0, U0, U0, U0)
+                yb = (U0, U0, U0, U0)
+                za = (U0, U0, U0, U0)
+                zb = (U0, U0, U0, U0)
+                if sla < page_size:
+                    ya = _ld16(v_cache, vwords, vecl, vsw, pg, sla, j, d0)
+                    yb = _ld16(v_cache, vwords, vecl, vsw, pg, sla, j, d0 + U8)
+                if sla + int32(1) < page_size:
+                    za = _ld16(v_cache, vwords, vecl, vsw, pg, sla + int32(1), j, d0)
+                    zb = _ld16(v_cache, vwords, vecl, vsw, pg, sla + int32(1), j, d0 + U8)
+                base = UNK + d0 * UVW + col
+                for kk in range(4):
+                    a = ya[kk]
+                    b = za[kk]
+                    dyn[base + uint32(2 * kk) * UVW] = (a & LO16) | (b << uint32(16))
+                    dyn[base + uint32(2 * kk + 1) * UVW] = (a >> uint32(16)) | (b & HI16)
+                for kk in range(4):
+                    a = yb[kk]
+                    b = zb[kk]
+                    dyn[base + uint32(2 * kk + 8) * UVW] = (a & LO16) | (b << uint32(16))
+                    dyn[base + uint32(2 * kk + 9) * UVW] = (a >> uint32(16)) | (b & HI16)
+            cuda.syncthreads()
+
+            nloop = nch
+            if SIM:
+                nloop = sctl[1]
+            for ch in range(nloop):
+                xb = int32(4 * ch)
+                # QK rows: tokens g (page g>>2) and g+8 (page 2 + g>>2); PV cols: pages t>>1, 2+t>>1
+                pa = int32(g >> U2)
+                pb = int32(t >> U1)
+                sa0, la0 = _own_page(srank, warp, xb + pa, cnt, cur, nv, tl)
+                sa1, la1 = _own_page(srank, warp, xb + int32(2) + pa, cnt, cur, nv, tl)
+                sb0, lb0 = _own_page(srank, warp, xb + pb, cnt, cur, nv, tl)
+                sb1, lb1 = _own_page(srank, warp, xb + int32(2) + pb, cnt, cur, nv, tl)
+                tg = int32(g & U3)
+                kb0 = (sa0 * U4 + uint32(tg)) * UKW + t
+                kb1 = (sa1 * U4 + uint32(tg)) * UKW + t
+                sacc = (F0, F0, F0, F0)
+                for ks in range(NKS):
+                    o8 = uint32(8 * ks)
+                    sacc = mma16((dyn[kb0 + o8], dyn[kb1 + o8], dyn[kb0 + o8 + U4],
+                                  dyn[kb1 + o8 + U4]), (qf[2 * ks], qf[2 * ks + 1]), sacc,
+                                 scr[warp], lane)
+                v0 = tg < la0
+                v1 = tg < la1
+                s0 = NEG_INF
+                s1 = NEG_INF
+                s2 = NEG_INF
+                s3 = NEG_INF
+                if v0:
+                    s0 = sacc[0] * scale
+                    s1 = sacc[1] * scale
+                if v1:
+                    s2 = sacc[2] * scale
+                    s3 = sacc[3] * scale
+                mx0 = col_max(max(s0, s2), lane, rbuf)
+                mx1 = col_max(max(s1, s3), lane, rbuf)
+                mn0 = max(m0, mx0)
+                mn1 = max(m1, mx1)
+                al0 = F1
+                al1 = F1
+                if mn0 != NEG_INF:
+                    al0 = math.exp(m0 - mn0)
+                if mn1 != NEG_INF:
+                    al1 = math.exp(m1 - mn1)
+                p0 = F0
+                p1 = F0
+                p2 = F0
+                p3 = F0
+                if s0 != NEG_INF:
+                    p0 = math.exp(s0 - mn0)
+                if s1 != NEG_INF:
+                    p1 = math.exp(s1 - mn1)
+                if s2 != NEG_INF:
+                    p2 = math.exp(s2 - mn0)
+                if s3 != NEG_INF:
+                    p3 = math.exp(s3 - mn1)
+                l0 = l0 * al0 + (p0 + p2)
+                l1 = l1 * al1 + (p1 + p3)
+                m0 = mn0
+                m1 = mn1
+                # P^T to the B layout: sp[warp, head, token]
+                sp[warp, U2 * t, g] = float16(p0)
+                sp[warp, U2 * t + U1, g] = float16(p1)
+                sp[warp, U2 * t, g + U8] = float16(p2)
+                sp[warp, U2 * t + U1, g + U8] = float16(p3)
+                ws()
+                bq0 = pack_f16x2(sp[warp, g, U2 * t], sp[warp, g, U2 * t + U1])
+                bq1 = pack_f16x2(sp[warp, g, U2 * t + U8], sp[warp, g, U2 * t + uint32(9)])
+                ws()
+                # V^T operand: tokens 2t, 2t+1 of page pb (word pair t & 1), 2t+8, 2t+9 of 2 + pb
+                o2 = int32(2) * int32(t & U1)
+                mka = U0
+                if o2 < lb0:
+                    mka |= LO16
+                if o2 + int32(1) < lb0:
+                    mka |= HI16
+                mkb = U0
+                if o2 < lb1:
+                    mkb |= LO16
+                if o2 + int32(1) < lb1:
+                    mkb |= HI16
+                ca = UNK + g * UVW + sb0 * U2 + (t & U1)
+                cb = UNK + g * UVW + sb1 * U2 + (t & U1)
+                for mt in range(NKS):
+                    ro = uint32(16 * mt) * UVW
+                    r8 = ro + U8 * UVW
+                    cc = (oacc[4 * mt] * al0, oacc[4 * mt + 1] * al1,
+                          oacc[4 * mt + 2] * al0, oacc[4 * mt + 3] * al1)
+                    res = mma16((dyn[ca + ro] & mka, dyn[ca + r8] & mka, dyn[cb + ro] & mkb,
+                                 dyn[cb + r8] & mkb), (bq0, bq1), cc, scr[warp], lane)
+                    oacc[4 * mt] = res[0]
+                    oacc[4 * mt + 1] = res[1]
+                    oacc[4 * mt + 2] = res[2]
+                    oacc[4 * mt + 3] = res[3]
+            cur += cnt
+            cuda.syncthreads()
+
+        # ---- normalise and write (idle warps write nothing)
+        lt0 = col_sum(l0, lane, rbuf)
+        lt1 = col_sum(l1, lane, rbuf)
+        if live:
+            hA = U2 * t
+            if g == U0:
+                for i in range(2):
+                    hh = hA + uint32(i)
+                    lv = NEG_INF
+                    li = lt0
+                    mi = m0
+                    if i == 1:
+                        li = lt1
+                        mi = m1
+                    if li > F0:
+                        lv = mi + math.log(li)
+                    if hh < nh:
+                        lse[row, h0 + hh] = lv
+            for mt in range(NKS):
+                for i in range(4):
+                    dd = uint32(16 * mt) + g + U8 * (uint32(i) >> U1)
+                    hh = hA + (uint32(i) & U1)
+                    li = lt0
+                    if (i & 1) == 1:
+                        li = lt1
+                    o = F0
+                    if li > F0:
+                        o = oacc[4 * mt + i] / li
+                    if hh < nh:
+                        out[row, h0 + hh, dd] = o
+
+    kernel.__name__ = f"page4_tc_d{D}_g{G}_c{C}"
+    kernel.__qualname__ = kernel.__name__
+    k = jit(kernel)
+    k.threads = NT
+    k.stage_pages = C
+    k.smem_bytes = tc_smem_bytes(D, C)
+    return k
+
+
+_DYN_OPTED = {}
+
+
+def _launch_dynamic(k, grid, threads, stream, smem, args):
+    """Launch with ``smem`` bytes of dynamic shared memory, opting in above 48 KB (sm_80+).
+
+    numba-cuda has no API for CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES; a pre-launch
+    callback sets it on the compiled kernel's handle once (the same driver call numba uses for the
+    carveout attribute).
+    """
+    cfg = k[grid, threads, stream, smem]
+    if not SIMULATOR and smem > 48 * 1024:
+        def opt_in(kernel, launch_config):
+            key = id(kernel)
+            if _DYN_OPTED.get(key, 0) >= smem:
+                return
+            from numba.cuda.cudadrv.driver import binding, driver
+            cufunc = kernel._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, int(smem), cufunc.handle, cufunc.device.id)
+            _DYN_OPTED[key] = smem
+        cfg.pre_launch_callbacks.append(opt_in)
+    cfg(*args)
+
+
+def _words_view(a):
+    """``(uint32 1-D view over the cache's span, int64 word strides (page, slot, head))`` when the D
+    axis is contiguous and rows are 16-byte aligned, else ``None`` (element loads)."""
+    try:
+        strides = tuple(int(s) for s in a.strides)
+        shape = tuple(int(s) for s in a.shape)
+    except (AttributeError, TypeError):
+        return None
+    if len(shape) != 4 or strides[3] != 2 or any(s % 16 for s in strides[:3]) or shape[3] % 8:
+        return None
+    if any(s < 0 for s in strides):
+        return None
+    span = sum((n - 1) * s for n, s in zip(shape[:3], strides[:3])) + 2 * shape[3]
+    if span % 4:
+        return None
+    sw = np.array([strides[0] // 4, strides[1] // 4, strides[2] // 4], np.int64)
+    if SIMULATOR:
+        host = getattr(a, "_ary", None)
+        if host is None or host.ctypes.data % 16:
+            return None
+        flat = np.lib.stride_tricks.as_strided(host, shape=(span // 2,), strides=(2,))
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(flat.view(np.uint32)), sw
+    gpu_data = getattr(a, "gpu_data", None)
+    if gpu_data is None:
+        return None
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    if int(a.device_ctypes_pointer.value or 0) % 16:
+        return None
+    return DeviceNDArray((span // 4,), (4,), np.dtype(np.uint32), gpu_data=gpu_data), sw
+
+
+def page4_windows(rows, group_rows):
+    """``[n, 2]`` int32 (first row, count): consecutive windows of ``group_rows`` rows.
+
+    Windows depend on the row count alone, so they are formed without reading ``req_ids`` on the host
+    (no synchronisation; CUDA-graph capturable). Rows of different requests may share a window:
+    :func:`make_window_keys_kernel` keeps their keys apart.
+    """
+    first = np.arange(0, rows, max(1, int(group_rows)), dtype=np.int32)
+    return np.stack([first, np.minimum(int(group_rows), rows - first)], axis=1).astype(np.int32)
+
+
+#: Keys of rows of different requests inside one window differ by a multiple of this (token ids
+#: stay below it: 2^27 = 134M tokens); at most 7 request changes fit a window of 8 rows in int32.
+KEY_REQ_STRIDE = 1 << 27
+
+
+@functools.lru_cache(maxsize=None)
+def make_window_keys_kernel(group_rows, threads):
+    """``keys[i, k] = tokens[i, k] + KEY_REQ_STRIDE * c_i``, ``c_i`` the request changes between the
+    first row of row ``i``'s window and row ``i``.
+
+    The grouped kernel shares staged pages between rows whose logical keys are equal; adding the
+    change count makes equal keys imply the same request, so any window of rows is safe. One block
+    per row, ``threads`` threads over the row's tokens; no shared memory.
+    """
+    GR, NT = uint32(group_rows), uint32(threads)
+    STRIDE = int32(KEY_REQ_STRIDE)
+
+    def kernel(tokens, req_ids, keys):
+        row = uint32(cuda.blockIdx.x)
+        first = (row // GR) * GR
+        changes = int32(0)
+        for x in range(first + uint32(1), row + uint32(1)):
+            if req_ids[x] != req_ids[x - uint32(1)]:
+                changes += int32(1)
+        for k in range(uint32(cuda.threadIdx.x), uint32(tokens.shape[1]), NT):
+            keys[row, k] = tokens[row, k] + changes * STRIDE
+
+    kernel.__name__ = f"page4_window_keys_g{group_rows}"
+    kernel.__qualname__ = kernel.__name__
+    return jit(kernel)
 
 
 #: One warp per row holds that row's O^T (d 256 x 8 heads) in registers: ~160-210 registers a
@@ -643,50 +1266,135 @@ def page4_group_rows(profile):
     return 4 if SIMULATOR else min(MAX_GROUP_ROWS, int(profile.attention.group_rows))
 
 
+def _env_int(name, default):
+    import os
+    v = os.environ.get(name, "").strip()
+    return int(v) if v else default
+
+
+def use_tc_kernel(kind, d):
+    """The token-major kernel serves m16n8k16 (sm_80+) unless ``NUMQSA_PAGE4_TC=0``."""
+    import os
+    return (kind == "m16n8k16" and d % 16 == 0
+            and os.environ.get("NUMQSA_PAGE4_TC", "1").strip() not in ("0", "false", "off"))
+
+
+def tc_group_rows(profile):
+    """Rows per block of the token-major kernel (``NUMQSA_PAGE4_G`` overrides; 4 in the simulator)."""
+    if SIMULATOR:
+        return 4
+    return max(1, min(8, _env_int("NUMQSA_PAGE4_G", int(profile.attention.tc_group_rows))))
+
+
+def _window_keys(tokens, req_ids, keys, gr, stream):
+    """Fill ``keys`` for windows of ``gr`` rows (see :func:`make_window_keys_kernel`)."""
+    k = make_window_keys_kernel(int(gr), 32 if SIMULATOR else 256)
+    k[tokens.shape[0], 32 if SIMULATOR else 256, stream](tokens, req_ids, keys)
+    return keys
+
+
 def launch_page4(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, scale, out, lse, profile,
-                 stream, r=4, keysrc=None, req_ids_host=None, group_rows=None):
-    """Grouped route on device arrays. ``keysrc`` (the tokens the plan came from) gives the logical
-    keys that let rows of a group share stages; without it every row is its own group."""
+                 stream, r=4, tokens=None, keys=None, group_rows=None):
+    """Grouped route on device arrays.
+
+    With ``tokens`` (the selection the plan was made from) rows are taken in windows of
+    ``group_rows`` consecutive rows that share staged pages by logical key; ``keys`` is an int32
+    buffer shaped like ``tokens`` for those keys (allocated when None; pass a workspace buffer to
+    keep repeated calls allocation-free). Without ``tokens`` every row is its own group. Nothing is
+    read back to the host and launch metadata comes from :func:`numqsa.device.constant`, so the
+    launch can be captured in a CUDA graph.
+    """
+    from .. import device as dev
     rows, hq, d = q.shape
     hkv = k_cache.shape[2]
     if rows == 0:
         return out, lse
-    gr = int(group_rows or page4_group_rows(profile))
     kind = profile.attention.mma
-    if keysrc is None:
-        groups = np.stack([np.arange(rows), np.ones(rows, np.int64)], axis=1).astype(np.int32)
-        keys = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
+    tc = use_tc_kernel(kind, int(d))
+    gr = int(group_rows or (tc_group_rows(profile) if tc else page4_group_rows(profile)))
+    if tokens is None:
+        gr = 1
+        keys = dev.constant(np.zeros((1, 1), np.int32), stream)
         use_keys = np.int32(0)
     else:
-        rid = req_ids_host if req_ids_host is not None else _host_ints(req_ids)
-        groups = page4_groups(rid, gr)
-        keys = keysrc
+        if keys is None:
+            keys = dev.empty(tokens.shape, np.int32, stream)
+        _window_keys(tokens, req_ids, keys, gr, stream)
         use_keys = np.int32(1)
-    dgroups = cuda.to_device(groups, stream=stream)
-    k = make_page4_kernel(int(d), gr, kind, int(r))
+    windows = page4_windows(rows, gr)
+    dgroups = dev.constant(windows, stream)
     hg = hq // hkv
-    grid = (groups.shape[0], hkv, -(-hg // HEAD_TILE))
-    k[grid, k.threads, stream](q, k_cache, v_cache, pages, num_vpages, tail_len, keys, use_keys,
-                               dgroups, np.float32(scale), out, lse)
-    return out, lse
+    grid = (windows.shape[0], hkv, -(-hg // HEAD_TILE))
+    if not tc:
+        k = make_page4_kernel(int(d), gr, kind, int(r))
+        k[grid, k.threads, stream](q, k_cache, v_cache, pages, num_vpages, tail_len, keys, use_keys,
+                                   dgroups, np.float32(scale), out, lse)
+        return out, lse
+    c = tc_stage_pages(gr)
+    if not SIMULATOR:
+        c = max(3 * gr + 1, min(32, _env_int("NUMQSA_PAGE4_C", c)))
+    k = make_page4_tc_kernel(int(d), gr, c, int(r))
+    kv, vv = _words_view(k_cache), _words_view(v_cache)
+    import os
+    vec = np.int32(kv is not None and vv is not None
+                   and os.environ.get("NUMQSA_PAGE4_VEC", "1").strip() != "0")
+    if not vec:
+        kv = vv = (dev.constant(np.zeros(4, np.uint32), stream), np.zeros(3, np.int64))
+    args = (q, k_cache, v_cache, kv[0], vv[0], dev.constant(kv[1], stream),
+            dev.constant(vv[1], stream), vec, pages, num_vpages, tail_len, keys, use_keys, dgroups,
+            np.float32(scale), out, lse)
+    if k.smem_bytes > 48 * 1024 and not _NO_OPT_IN:
+        try:
+            _launch_dynamic(k, grid, k.threads, stream, k.smem_bytes, args)
+            return out, lse
+        except Exception as err:          # pragma: no cover - a driver refusing the opt-in
+            import warnings
+            warnings.warn(f"page4: dynamic shared memory opt-in failed ({err}); using <= 48 KB stages")
+            _NO_OPT_IN.append(str(err))
+    elif k.smem_bytes <= 48 * 1024:
+        k[grid, k.threads, stream, k.smem_bytes](*args)
+        return out, lse
+    return _launch_small(d, r, tokens, req_ids, keys, hkv, hg, stream, args)
 
 
-def _host_ints(x):
-    if hasattr(x, "copy_to_host"):
-        return x.copy_to_host()
-    return np.asarray(x)
+_NO_OPT_IN = []
+
+
+def _launch_small(d, r, tokens, req_ids, keys, hkv, hg, stream, args):
+    """Fallback without the >48 KB opt-in: 2 rows per block, 7 staged pages (33 KB at d 256)."""
+    from .. import device as dev
+    g2 = 1 if tokens is None else 2
+    k2 = make_page4_tc_kernel(int(d), g2, 3 * g2 + 1, int(r))
+    if k2.smem_bytes > 48 * 1024:
+        raise RuntimeError("page4: no stage fits 48 KB at this head dim")
+    if tokens is not None:
+        _window_keys(tokens, req_ids, keys, g2, stream)
+    windows = page4_windows(int(args[0].shape[0]), g2)
+    args = args[:13] + (dev.constant(windows, stream),) + args[14:]
+    grid = (windows.shape[0], hkv, -(-hg // HEAD_TILE))
+    k2[grid, k2.threads, stream, k2.smem_bytes](*args)
+    return args[15], args[16]
 
 
 def _resource_cases():
     k = make_plan_kernel(128, 4)
     sig = ("void(int32[:, :], int32[:], int32[:, :], int32[:], int32[:], int32[:], int32[:, :, :], "
            "int32[:], int32[:])")
-    cases = [("page4_plan", k, sig, 128, 0, None)]
+    cases = [("page4_plan", k, sig, 128, 0, None),
+             ("page4_window_keys", make_window_keys_kernel(6, 256),
+              "void(int32[:, :], int32[:], int32[:, :])", 256, 0, None)]
     gsig = ("void(float16[:, :, :], float16[:, :, :, :], float16[:, :, :, :], int32[:, :, :], int32[:], "
             "int32[:], int32[:, :], int32, int32[:, :], float32, float16[:, :, :], float32[:, :])")
-    for kind, cc, rows in (("m8n8k4", (7, 0), 8), ("m8n8k4", (9, 0), 8), ("m16n8k16", (9, 0), 8)):
+    for kind, cc, rows in (("m8n8k4", (7, 0), 4), ("m8n8k4", (7, 0), 8), ("m8n8k4", (9, 0), 8),
+                           ("m16n8k16", (9, 0), 8)):
         kern = make_page4_kernel(256, rows, kind)
         cases.append((f"page4_{kind}_g{rows}", kern, gsig, 32 * rows, 0, cc))
+    tsig = ("void(float16[:, :, :], float16[:, :, :, :], float16[:, :, :, :], uint32[:], uint32[:], "
+            "int64[:], int64[:], int32, int32[:, :, :], int32[:], int32[:], int32[:, :], int32, "
+            "int32[:, :], float32, float16[:, :, :], float32[:, :])")
+    for g, c in ((6, 24), (8, 32)):
+        kern = make_page4_tc_kernel(256, g, c)
+        cases.append((f"page4_tc_g{g}_c{c}", kern, tsig, 32 * g, tc_smem_bytes(256, c), (9, 0)))
     return cases
 
 

@@ -219,18 +219,303 @@ def topk_threads(profile):
     return 32 if SIMULATOR else int(profile.topk.threads)
 
 
-def launch_topk(score_bits, req_ids, positions, seq_lens, groups, profile, stream, r=4):
-    """``score_bits`` is the float32 score matrix viewed as uint32; ``groups [rows, Kb]`` int32 is written."""
+def launch_topk(score_bits, req_ids, positions, seq_lens, groups, profile, stream, r=4,
+                bitmap=None, threads=None):
+    """``score_bits`` is the float32 score matrix viewed as uint32; ``groups [rows, Kb]`` int32 is written.
+
+    Rows of up to ``bitmap_shape()[1]`` groups take the bitmap kernel, longer ones the streaming
+    radix kernel (``bitmap=False`` forces the latter, for tests and benchmarks)."""
     rows, kb = groups.shape
     if rows == 0:
         return groups
-    k = make_topk_kernel(topk_threads(profile), int(kb), int(r))
+    nt, gmax, cap = bitmap_shape(threads)
+    if bitmap is None:
+        bitmap = score_bits.shape[1] <= gmax
+    elif bitmap and score_bits.shape[1] > gmax:
+        raise ValueError(f"the bitmap top-k takes rows of at most {gmax} groups, got "
+                         f"{score_bits.shape[1]}")
+    if bitmap:
+        k = make_topk_bitmap_kernel(nt, gmax, cap, int(kb), int(r))
+    else:
+        k = make_topk_kernel(topk_threads(profile), int(kb), int(r))
     k[rows, k.threads, stream](score_bits, req_ids, positions, seq_lens, groups)
     return groups
+
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Bitmap top-k: rows of up to ``gmax`` groups (32,768 on a GPU: 131K tokens at r = 4)
+# ------------------------------------------------------------------------------------------------
+
+HIST_BINS = 4096
+LOAD_BATCH = 8      # scores loaded per thread before any is processed
+# radix levels over the 32 ordered bits: (shift, width), most significant first
+LEVELS = ((20, 12), (8, 12), (0, 8))
+
+if SIMULATOR:
+    @device_jit
+    def _mark_word(bm, e, pred, lane):
+        if pred:
+            cuda.atomic.or_(bm, e >> uint32(5), uint32(1) << (e & uint32(31)))
+
+    @device_jit
+    def _append_slot(cnt, pred, lane):
+        slot = int32(-1)
+        if pred:
+            slot = cuda.atomic.add(cnt, 0, int32(1))
+        return slot
+else:
+    @device_jit
+    def _mark_word(bm, e, pred, lane):
+        # the 32 lanes hold e = 32*w + lane: one ballot is bitmap word w (plain store, no atomics)
+        w = cuda.ballot_sync(FULL_MASK, pred)
+        if lane == uint32(0):
+            bm[e >> uint32(5)] = w
+
+    @device_jit
+    def _append_slot(cnt, pred, lane):
+        # warp-aggregated append: one shared atomic per warp, slots in lane order
+        b = cuda.ballot_sync(FULL_MASK, pred)
+        slot = int32(-1)
+        if b != uint32(0):
+            base = int32(0)
+            if lane == uint32(0):
+                base = cuda.atomic.add(cnt, 0, int32(cuda.popc(b)))
+            base = cuda.shfl_sync(FULL_MASK, base, 0)
+            if pred:
+                slot = base + int32(cuda.popc(b & ((uint32(1) << lane) - uint32(1))))
+        return slot
+
+
+BITMAP_THREADS = 512
+
+
+def bitmap_shape(threads=None):
+    """(threads, gmax, candidate capacity). GPU: 512 threads (51 registers: 2 blocks per SM keep
+    ~34 MB of 128 KB rows in flight, inside the H200's 50 MB L2, so the second read of a row hits
+    L2), 32,768 groups (8 KB of bitmaps), 2,048 candidates (16 KB). Simulator: 32 threads, 128
+    groups, 16 candidates (small enough that the tests exercise the fallback over global memory)."""
+    if SIMULATOR:
+        return 32, 128, 16
+    return threads or BITMAP_THREADS, 32768, 2048
+
+
+@functools.lru_cache(maxsize=None)
+def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
+    """Top-k of rows with ``nb <= gmax``: radix select with a 4096-bin histogram, then bitmaps.
+
+    One block of ``threads`` per row. Level 1 histograms the top 12 ordered bits of the row's
+    visible scores (one read of the row); the bin holding the ``Kb``-th best key is found by a block
+    scan. If that bin holds at most ``cap`` keys, a second read marks every key of a higher bin in
+    the "greater" bitmap (one ballot per 32 groups) and appends the bin's keys to a shared candidate
+    list, and the remaining 12 + 8 bits are resolved in shared memory. Otherwise (plateaus: many
+    equal scores) the levels continue over global memory and a last read marks "greater" and
+    "equal" bitmaps with the exact threshold. Output: exclusive scans over the bitmap words give
+    each selected group its place; the ``m`` lowest equal groups are kept (the tie rule), so the
+    result is exact, deterministic (no atomic order matters) and ascending.
+    Shared memory: ``4096*4 + cap*8 + gmax/4 + scan scratch`` bytes (40 KB on a GPU).
+    """
+    NT = threads
+    KB = kb
+    WORDS = gmax // 32
+    WPT = max(1, WORDS // NT)
+    if WORDS % NT and WORDS > NT:
+        raise ValueError("gmax/32 must be a multiple of threads")
+    BPTMAX = max(1, HIST_BINS // NT)
+    SCR = scan_scratch(NT)
+    CAP = cap
+    block_scan = make_block_scan(NT)
+    U31 = uint32(31)
+    UN = LOAD_BATCH
+
+    @device_jit
+    def _load_batch(score_bits, i, e, nb, vals):
+        # UN independent loads in flight per thread: one dependent load per element left the
+        # passes latency-bound (~1 TB/s measured on the H200)
+        for j in range(UN):
+            v = uint32(0)
+            if e + uint32(NT * j) < nb:
+                v = score_bits[i, e + uint32(NT * j)]
+            vals[j] = v
+
+    @jit(launch_bounds=(NT, max(1, 1024 // NT)))   # <= 64 registers: two 512-thread blocks per SM
+    def topk_bitmap(score_bits, req_ids, positions, seq_lens, groups):
+        hist = cuda.shared.array(HIST_BINS, int32)
+        cand_k = cuda.shared.array(CAP, uint32)
+        cand_e = cuda.shared.array(CAP, uint32)
+        gt = cuda.shared.array(WORDS, uint32)
+        eq = cuda.shared.array(WORDS, uint32)
+        state = cuda.shared.array(3, int32)
+        ccount = cuda.shared.array(1, int32)
+        scr = cuda.shared.array(SCR, int32)
+        selw = cuda.local.array(WPT, uint32)
+        vals = cuda.local.array(UN, uint32)
+        tid = uint32(cuda.threadIdx.x)
+        lane = tid & U31
+        i = uint32(cuda.blockIdx.x)
+        req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
+        nb = uint32(min(nbi, int32(score_bits.shape[1])))
+        if nb <= uint32(KB):
+            for j in range(tid, uint32(KB), uint32(NT)):
+                g = int32(-1)
+                if j < nb:
+                    g = int32(j)
+                groups[i, j] = g
+            return
+        nbpad = (nb + U31) & ~U31          # whole warps in the marking loops (ballots)
+
+        for w in range(tid, uint32(WORDS), uint32(NT)):
+            gt[w] = uint32(0)
+            eq[w] = uint32(0)
+        if tid == uint32(0):
+            ccount[0] = int32(0)
+        prefix = uint32(0)
+        mask = uint32(0)
+        need = int32(KB)
+        collected = False
+        for lev in range(3):
+            shift = uint32(20) if lev == 0 else (uint32(8) if lev == 1 else uint32(0))
+            nbins = uint32(HIST_BINS) if lev < 2 else uint32(256)
+            bmask = nbins - uint32(1)
+            for b in range(tid, nbins, uint32(NT)):
+                hist[b] = int32(0)
+            cuda.syncthreads()
+            if collected:
+                ncand = uint32(ccount[0])
+                for j in range(tid, ncand, uint32(NT)):
+                    k = cand_k[j]
+                    if (k & mask) == prefix:
+                        cuda.atomic.add(hist, (k >> shift) & bmask, int32(1))
+            else:
+                run_bin = uint32(0)
+                run_cnt = int32(0)
+                for e0 in range(0, nb, uint32(NT * UN)):
+                    _load_batch(score_bits, i, e0 + tid, nb, vals)
+                    for j in range(UN):
+                        if e0 + tid + uint32(NT * j) < nb:
+                            k = ordered_bits(vals[j])
+                            if (k & mask) == prefix:
+                                b = (k >> shift) & bmask
+                                if b == run_bin:
+                                    run_cnt += int32(1)
+                                else:
+                                    if run_cnt > int32(0):
+                                        cuda.atomic.add(hist, run_bin, run_cnt)
+                                    run_bin = b
+                                    run_cnt = int32(1)
+                if run_cnt > int32(0):
+                    cuda.atomic.add(hist, run_bin, run_cnt)
+            cuda.syncthreads()
+            # thread t owns bins nbins-1 - t*bpt - j (descending): an inclusive scan counts keys above
+            bpt = max(uint32(1), nbins // uint32(NT))
+            local = int32(0)
+            for j in range(BPTMAX):
+                bb = int32(nbins) - int32(1) - int32(tid * bpt) - int32(j)
+                if uint32(j) < bpt and bb >= int32(0):
+                    local += hist[bb]
+            incl, total = block_scan(local, tid, scr)
+            above = incl - local
+            for j in range(BPTMAX):
+                bb = int32(nbins) - int32(1) - int32(tid * bpt) - int32(j)
+                if uint32(j) < bpt and bb >= int32(0):
+                    c = hist[bb]
+                    if above < need and need <= above + c:
+                        state[0] = bb
+                        state[1] = need - above
+                        state[2] = c
+                    above += c
+            cuda.syncthreads()
+            prefix |= uint32(state[0]) << shift
+            mask |= bmask << shift
+            need = state[1]
+            cbin = state[2]
+            cuda.syncthreads()
+            if cbin == need:                 # the whole bin is taken: no finer digit matters
+                break
+            if (not collected) and lev < 2 and cbin <= int32(CAP):
+                for e0 in range(0, nbpad, uint32(NT * UN)):
+                    _load_batch(score_bits, i, e0 + tid, nb, vals)
+                    for j in range(UN):
+                        e = e0 + tid + uint32(NT * j)
+                        if e < nbpad:                # whole warps: the ballots below
+                            k = ordered_bits(vals[j])
+                            km = k & mask
+                            _mark_word(gt, e, e < nb and km > prefix, lane)
+                            slot = _append_slot(ccount, e < nb and km == prefix, lane)
+                            if slot >= int32(0):
+                                cand_k[slot] = k
+                                cand_e[slot] = e
+                collected = True
+                cuda.syncthreads()
+
+        if collected:
+            ncand = uint32(ccount[0])
+            for j in range(tid, ncand, uint32(NT)):
+                km = cand_k[j] & mask
+                e = cand_e[j]
+                if km > prefix:
+                    cuda.atomic.or_(gt, e >> uint32(5), uint32(1) << (e & U31))
+                elif km == prefix:
+                    cuda.atomic.or_(eq, e >> uint32(5), uint32(1) << (e & U31))
+        else:
+            for e0 in range(0, nbpad, uint32(NT * UN)):
+                _load_batch(score_bits, i, e0 + tid, nb, vals)
+                for j in range(UN):
+                    e = e0 + tid + uint32(NT * j)
+                    if e < nbpad:
+                        km = ordered_bits(vals[j]) & mask
+                        _mark_word(gt, e, e < nb and km > prefix, lane)
+                        _mark_word(eq, e, e < nb and km == prefix, lane)
+        cuda.syncthreads()
+
+        # thread t owns bitmap words t*WPT .. t*WPT + WPT - 1: keep the `need` lowest equal groups
+        w0 = tid * uint32(WPT)
+        eqc = int32(0)
+        for j in range(WPT):
+            if w0 + uint32(j) < uint32(WORDS):
+                eqc += int32(cuda.popc(eq[w0 + uint32(j)]))
+        incl, total = block_scan(eqc, tid, scr)
+        eb = incl - eqc
+        cnt = int32(0)
+        for j in range(WPT):
+            s = uint32(0)
+            if w0 + uint32(j) < uint32(WORDS):
+                q = eq[w0 + uint32(j)]
+                pq = int32(cuda.popc(q))
+                keep = need - eb
+                if keep <= int32(0):
+                    q = uint32(0)
+                elif keep < pq:
+                    x = q
+                    for _ in range(keep):
+                        x &= x - uint32(1)
+                    q ^= x
+                eb += pq
+                s = gt[w0 + uint32(j)] | q
+            selw[j] = s
+            cnt += int32(cuda.popc(s))
+        incl, total = block_scan(cnt, tid, scr)
+        pos = incl - cnt
+        for j in range(WPT):
+            s = selw[j]
+            base = (w0 + uint32(j)) * uint32(32)
+            while s != uint32(0):
+                low = s & (~s + uint32(1))
+                groups[i, pos] = int32(base + uint32(cuda.popc(low - uint32(1))))
+                pos += int32(1)
+                s ^= low
+
+    topk_bitmap.threads = NT
+    topk_bitmap.gmax = gmax
+    return topk_bitmap
 
 
 _SIG = "void(uint32[:, :], int32[:], int32[:], int32[:], int32[:, :])"
 RESOURCE_CASES = [
     (f"topk.kb512.t{t}", make_topk_kernel(t, 512, 4), _SIG, t, 0, cc)
     for t in (256,) for cc in ((7, 0), (9, 0))
+] + [
+    (f"topk.bitmap.kb512.t{t}", make_topk_bitmap_kernel(*bitmap_shape(t), 512, 4), _SIG,
+     bitmap_shape(t)[0], 0, cc) for t in (512, 1024) for cc in ((7, 0), (9, 0))
 ]
