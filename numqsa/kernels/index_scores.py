@@ -184,6 +184,20 @@ def launch_light(qi, index_cache, index_block_table, req_ids, positions, seq_len
 
 
 
+@device_jit(forceinline=True)
+def _stage_block_rows(row0, tid, tm, rows, ngroups, req_ids, positions, seq_lens, r, r_req, r_nb):
+    """Threads ``0..tm-1`` write the request (-1 if inert) and visible-group count (capped at the
+    score width) of the block's rows ``row0 + tid`` into shared ``r_req`` / ``r_nb``."""
+    if tid < uint32(tm):
+        i = row0 + tid
+        rq = int32(-1)
+        nbv = int32(0)
+        if i < rows:
+            rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
+        r_req[tid] = rq
+        r_nb[tid] = min(nbv, int32(ngroups))
+
+
 @device_jit
 def _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, tm):
     """Once per block: the distinct valid requests among the block's ``tm`` rows (``r_req``), in
@@ -319,14 +333,7 @@ def make_tiled_scores_kernel(kind, hi, di, r):
         rpp = uint32(index_cache.shape[1])
         tcols = uint32(index_block_table.shape[1])
 
-        if tid < uint32(TM):
-            i = row0 + tid
-            rq = int32(-1)
-            nbv = int32(0)
-            if i < rows:
-                rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
-            r_req[tid] = rq
-            r_nb[tid] = min(nbv, int32(ngroups))
+        _stage_block_rows(row0, tid, TM, rows, ngroups, req_ids, positions, seq_lens, r, r_req, r_nb)
         nu = _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, TM)
 
         # A fragments of this warp's 16 (row, head) pairs, straight from global memory
@@ -594,14 +601,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
         rpp = uint32(index_cache.shape[1])
         tcols = uint32(index_block_table.shape[1])
 
-        if tid < uint32(TM):
-            i = row0 + tid
-            rq = int32(-1)
-            nbv = int32(0)
-            if i < rows:
-                rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
-            r_req[tid] = rq
-            r_nb[tid] = min(nbv, int32(ngroups))
+        _stage_block_rows(row0, tid, TM, rows, ngroups, req_ids, positions, seq_lens, r, r_req, r_nb)
         nu = _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, TM)
         if tid < uint32(TM):                  # the longest nb among this row's request's rows
             r_nbm[tid] = int32(0)

@@ -262,23 +262,8 @@ def make_page4_kernel(d, group_rows, kind, r=4):
             tl = int32(tail_len[row])
         cuda.syncthreads()
         if live:
-            if tl < int32(0) or tl >= int32(R):
+            if _lane_finds_bad_page(row, lane, nv, tl, pages, keysrc, keyed, num_pages, page_size, R):
                 swc[warp] = int32(1)
-            for v in range(lane, uint32(nv), uint32(32)):
-                pg = int32(pages[row, v, 0])
-                sl = int32(pages[row, v, 1])
-                ln = int32(R)
-                if int32(v) == nv - int32(1) and tl > int32(0):
-                    ln = tl
-                if pg < int32(0) or pg >= num_pages or sl < int32(0) or sl + ln > page_size:
-                    swc[warp] = int32(1)
-                if keyed:
-                    kv = int32(keysrc[row, v * UR])
-                    if kv < int32(0):
-                        swc[warp] = int32(1)
-                    if v > U0:
-                        if int32(keysrc[row, (v - U1) * UR]) // int32(R) >= kv // int32(R):
-                            swc[warp] = int32(1)
         cuda.syncthreads()
         if swc[warp] != int32(0):
             nv = int32(0)
@@ -688,6 +673,30 @@ def _tc_warp_fns():
 
 
 @device_jit(forceinline=True)
+def _lane_finds_bad_page(row, lane, nv, tl, pages, keysrc, keyed, num_pages, page_size, r):
+    """Whether one of this lane's virtual pages of ``row`` (``lane, lane + 32, ...``) is malformed:
+    a page id or slot range outside the cache, a tail length outside ``0..r-1``, or (``keyed``) a
+    logical key that is negative or not increasing. The caller makes such a row inert."""
+    bad = tl < int32(0) or tl >= int32(r)
+    for v in range(uint32(lane), uint32(nv), uint32(32)):
+        pg = int32(pages[row, v, 0])
+        sl = int32(pages[row, v, 1])
+        ln = int32(r)
+        if int32(v) == nv - int32(1) and tl > int32(0):
+            ln = tl
+        if pg < int32(0) or pg >= num_pages or sl < int32(0) or sl + ln > page_size:
+            bad = True
+        if keyed:
+            kv = int32(keysrc[row, v * uint32(r)])
+            if kv < int32(0):
+                bad = True
+            if v > uint32(0):
+                if int32(keysrc[row, (v - uint32(1)) * uint32(r)]) // int32(r) >= kv // int32(r):
+                    bad = True
+    return bad
+
+
+@device_jit(forceinline=True)
 def _count_below(arr, w, key):
     """Entries ``< key`` in the sorted row ``arr[w, 0:32]`` (binary search)."""
     pos = uint32(0)
@@ -875,23 +884,8 @@ def make_page4_tc_kernel(d, group_rows, stage_pages, r=4):
             tl = int32(tail_len[row])
         cuda.syncthreads()
         if live:
-            if tl < int32(0) or tl >= int32(R):
+            if _lane_finds_bad_page(row, lane, nv, tl, pages, keysrc, keyed, num_pages, page_size, R):
                 swc[warp] = int32(1)
-            for v in range(lane, uint32(nv), uint32(32)):
-                pg = int32(pages[row, v, 0])
-                sl = int32(pages[row, v, 1])
-                ln = int32(R)
-                if int32(v) == nv - int32(1) and tl > int32(0):
-                    ln = tl
-                if pg < int32(0) or pg >= num_pages or sl < int32(0) or sl + ln > page_size:
-                    swc[warp] = int32(1)
-                if keyed:
-                    kv = int32(keysrc[row, v * U4])
-                    if kv < int32(0):
-                        swc[warp] = int32(1)
-                    if v > U0:
-                        if int32(keysrc[row, (v - U1) * U4]) // int32(R) >= kv // int32(R):
-                            swc[warp] = int32(1)
         cuda.syncthreads()
         if swc[warp] != int32(0):
             nv = int32(0)
