@@ -168,6 +168,8 @@ def main():
         have_torch = torch.cuda.is_available()
     except ImportError:
         have_torch = False
+    if not have_torch:
+        print("# PyTorch with CUDA is not installed: the PyTorch eager peer is skipped", flush=True)
 
     for rows, ctx in cases:
         host, d, G, nbsum = make_inputs(rows, ctx)
