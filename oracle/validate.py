@@ -128,17 +128,23 @@ def check_kv(k_cache, v_cache, r):
     return ks
 
 
+def _check_heads(x, name, rows, dim, dims, cache_dim):
+    """``x [rows, heads, dim]`` of a float dtype; returns its shape."""
+    s = _rank(x, name, 3, dims)
+    _dtype(x, name, FLOAT_DTYPES)
+    if s[0] != rows:
+        raise QSAInputError(f"{name} has {s[0]} rows but req_ids has {rows}")
+    if s[2] != dim:
+        raise QSAInputError(f"{name} head dim {s[2]} differs from the {cache_dim} = {dim}")
+    return s
+
+
 def check_q(q, rows, hkv, d, name="q"):
     """Queries ``[rows, Hq, D]`` with ``Hq % Hkv == 0``. Returns ``Hq``."""
-    qs = _rank(q, name, 3, "[rows, Hq, D]")
-    _dtype(q, name, FLOAT_DTYPES)
-    if qs[0] != rows:
-        raise QSAInputError(f"{name} has {qs[0]} rows but req_ids has {rows}")
-    if qs[2] != d:
-        raise QSAInputError(f"{name} head dim {qs[2]} differs from the cache's D = {d}")
-    if qs[1] < 1 or qs[1] % hkv:
-        raise QSAInputError(f"Hq = {qs[1]} is not a positive multiple of Hkv = {hkv}")
-    return qs[1]
+    hq = _check_heads(q, name, rows, d, "[rows, Hq, D]", "cache's D")[1]
+    if hq < 1 or hq % hkv:
+        raise QSAInputError(f"Hq = {hq} is not a positive multiple of Hkv = {hkv}")
+    return hq
 
 
 def check_index_cache(index_cache):
@@ -152,13 +158,7 @@ def check_index_cache(index_cache):
 
 def check_index_q(qi, rows, di, name="qi"):
     """Index queries ``[rows, Hi, Di]``. Returns ``Hi``."""
-    s = _rank(qi, name, 3, "[rows, Hi, Di]")
-    _dtype(qi, name, FLOAT_DTYPES)
-    if s[0] != rows:
-        raise QSAInputError(f"{name} has {s[0]} rows but req_ids has {rows}")
-    if s[2] != di:
-        raise QSAInputError(f"{name} head dim {s[2]} differs from the index cache's Di = {di}")
-    return s[1]
+    return _check_heads(qi, name, rows, di, "[rows, Hi, Di]", "index cache's Di")[1]
 
 
 def check_selection(tokens, counts, rows, r):
