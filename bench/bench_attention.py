@@ -4,8 +4,9 @@ Workload: one request, rows at the last positions of a T-token context, Hq 6 / H
 float16, page size 64 in random physical order; each row selects Kb = 512 groups (2048 tokens) plus
 its 0..3-token tail, keeping a fraction ``--overlap`` (default 0.82) of the previous row's groups
 (the measured overlap is reported). Cases: both routes at 4095 / 4096 / 8192 rows x 32K and
-8192 x 131K, a page-16 sweep of 64 / 512 / 2048 selected tokens at 4096 rows, and a PyTorch eager
-gather + SDPA route when torch is importable.
+8192 x 131K, a page-16 sweep of 64 / 512 / 2048 selected tokens at 4096 rows, the hybrid geometry's
+784-token KV pages at 4096 x 32K (its 16-token pages are the index cache's, which attention never
+reads), and a PyTorch eager gather + SDPA route when torch is importable.
 
 Per case: median time of ``--iters`` launches (CUDA events; compilation and host copies outside),
 effective TFLOP/s (``4 * Hq * D * sum(counts)``), unique K/V bytes per row group of ``group_rows``
@@ -190,6 +191,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--overlap", type=float, default=0.82)
     ap.add_argument("--quick", action="store_true", help="only 4096 x 32K")
+    ap.add_argument("--only", help="run the cases whose name contains this (e.g. _p784)")
     ap.add_argument("--sweep", action="store_true",
                     help="page-4 tuning: (rows per block, staged pages) of the token-major kernel, "
                          "the previous kernel, and the generic/page4 crossover in rows")
@@ -204,7 +206,9 @@ def main(argv=None):
     cases = [(4096, 32768, 64, 512)] if args.quick else [
         (4095, 32768, 64, 512), (4096, 32768, 64, 512), (8192, 32768, 64, 512),
         (8192, 131072, 64, 512), (4096, 32768, 16, 16), (4096, 32768, 16, 128),
-        (4096, 32768, 16, 512)]
+        (4096, 32768, 16, 512), (4096, 32768, 784, 512)]
+    if args.only:
+        cases = [c for c in cases if f"{c[0]}x{c[1] // 1024}K_p{c[2]}_sel{c[3] * 4}".find(args.only) >= 0]
     rows_out = []
     head = (f"{'case':28s} {'route':11s} {'ms':>8s} {'TFLOP/s':>8s} {'KV MB/grp':>9s} "
             f"{'floor ms':>8s} {'overlap':>7s}")
