@@ -22,10 +22,13 @@ def resolve_stream(stream=None):
         return cuda.default_stream()
     if hasattr(stream, "synchronize") and hasattr(stream, "handle"):   # numba Stream
         return stream
-    handle = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None) or stream
-    if SIMULATOR:   # the simulator has no foreign streams; its launches are synchronous anyway
+    for attr in ("cuda_stream", "ptr"):              # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            stream = getattr(stream, attr)
+            break
+    if SIMULATOR or int(stream) == 0:   # the simulator's launches are synchronous anyway
         return cuda.default_stream()
-    return cuda.external_stream(int(handle))
+    return cuda.external_stream(int(stream))
 
 
 def is_host(x):

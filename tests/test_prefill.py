@@ -150,3 +150,20 @@ def test_gpu_graph_replay_bitwise(seed):
     s.synchronize()
     for a, b in zip(eager, replayed):
         np.testing.assert_array_equal(a, b)
+
+
+def test_stream_arguments():
+    """``stream=`` takes None, a numba stream, a raw handle, or torch/CuPy-style stream objects."""
+    from numba import cuda
+    from numqsa.device import resolve_stream
+
+    class TorchLike:
+        cuda_stream = 0
+
+    class CupyLike:
+        ptr = 0
+
+    s = cuda.stream()
+    assert resolve_stream(s) is s
+    for arg in (None, 0, TorchLike(), CupyLike()):
+        assert hasattr(resolve_stream(arg), "synchronize")
