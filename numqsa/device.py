@@ -20,7 +20,7 @@ def resolve_stream(stream=None):
     or a torch/CuPy stream object."""
     if stream is None or stream == 0:
         return cuda.default_stream()
-    if hasattr(stream, "synchronize") and hasattr(stream, "handle"):   # numba Stream
+    if isinstance(stream, type(cuda.default_stream())):               # a numba stream
         return stream
     for attr in ("cuda_stream", "ptr"):              # torch.cuda.Stream, cupy.cuda.Stream
         if hasattr(stream, attr):
