@@ -54,6 +54,58 @@ def make_inputs(rows, ctx, seed=0):
     return host, dev, G, int(nb.sum())
 
 
+ARG_NAMES = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
+
+
+class Case:
+    """One workload: device inputs (``args`` in the public API's order), score and output buffers,
+    and the minimal FLOP and byte counts of each stage (see the module docstring)."""
+
+    def __init__(self, rows, ctx):
+        self.rows, self.ctx = rows, ctx
+        self.host, d, self.G, nbsum = make_inputs(rows, ctx)
+        self.args = [d[k] for k in ARG_NAMES]
+        self.req, self.pos, self.lens = self.args[3:]
+        self.scores = cuda.device_array((rows, self.G), np.float32)
+        self.groups = cuda.device_array((rows, KB), np.int32)
+        self.tokens = cuda.device_array((rows, KB * R + R - 1), np.int32)
+        self.counts = cuda.device_array(rows, np.int32)
+        self.flop = 2.0 * HI * DI * nbsum
+        self.sbytes = rows * HI * DI * 2 + self.G * DI * 2 + rows * self.G * 4
+        self.tbytes = rows * self.G * 4 + rows * KB * 4
+        self.ebytes = rows * KB * 4 + rows * (KB * R + R - 1) * 4
+        self.trt = TRT_MS.get((rows, ctx), {})
+
+    def ref(self, stage):
+        return f"  (TRT-LLM {self.trt[stage]:.2f} ms)" if stage in self.trt else ""
+
+    def line(self, name, ms, flop=None, nbytes=None, extra=""):
+        return line(name, self.rows, self.ctx, ms, flop, nbytes, extra)
+
+
+def _setup(args):
+    """``(profile, stream, timer, t_start)`` shared by the standard run and the variants."""
+    from numqsa.device import device_cc
+    from numqsa.plan import arch_profile
+    stream = cuda.default_stream()
+    return arch_profile(device_cc()), stream, Timer(stream, args.tiny), time.time()
+
+
+def crossover(results, timer, prof, stream, cases, reps, t_start=None, budget=None):
+    """Tiled vs light score route at each ``(rows, ctx)``."""
+    from numqsa.kernels import index_scores as KS
+    for rows, ctx in cases:
+        if budget is not None and time.time() - t_start > budget:
+            print(f"(crossover sweep cut short: {budget} s budget)")
+            break
+        c = Case(rows, ctx)
+        ms_t = timer(lambda: KS.launch_tiled(*c.args, c.scores, prof, stream), reps=reps, warmup=1)
+        ms_l = timer(lambda: KS.launch_light(*c.args, c.scores, prof, stream), reps=reps, warmup=1)
+        results.append(c.line("crossover.tiled", ms_t, c.flop, c.sbytes))
+        results.append(c.line("crossover.light", ms_l, c.flop, c.sbytes))
+        del c
+
+
 @cuda.jit
 def _fill(buf):
     i = cuda.grid(1)
@@ -145,17 +197,10 @@ def main():
     if args.variants:
         return variants(args)
 
-    from numba import cuda
     from numqsa import selection as sel
     from numqsa.kernels import expand as KE, index_scores as KS, topk as KT
-    from numqsa.device import device_cc
-    from numqsa.plan import arch_profile
 
-    t_start = time.time()
-    cc = device_cc()
-    prof = arch_profile(cc)
-    stream = cuda.default_stream()
-    timer = Timer(stream, args.tiny)
+    prof, stream, timer, t_start = _setup(args)
     results = []
     cases = [(1024, 8192), (1024, 32768), (1024, 131072), (8192, 8192), (8192, 32768),
              (8192, 131072), (4096, 32768)]
@@ -172,77 +217,52 @@ def main():
         print("# PyTorch with CUDA is not installed: the PyTorch eager peer is skipped", flush=True)
 
     for rows, ctx in cases:
-        host, d, G, nbsum = make_inputs(rows, ctx)
-        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
-                            "seq_lens")]
-        sc = cuda.device_array((rows, G), np.float32)
-        groups = cuda.device_array((rows, KB), np.int32)
-        tokens = cuda.device_array((rows, KB * R + R - 1), np.int32)
-        counts = cuda.device_array(rows, np.int32)
-        flop = 2.0 * HI * DI * nbsum
-        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
-        tbytes = rows * G * 4 + rows * KB * 4
-        ebytes = rows * KB * 4 + rows * (KB * R + R - 1) * 4
-        trt = TRT_MS.get((rows, ctx), {})
-
-        def ref(stage):
-            return f"  (TRT-LLM {trt[stage]:.2f} ms)" if stage in trt else ""
-
+        c = Case(rows, ctx)
+        a, sc, groups, tokens, counts = c.args, c.scores, c.groups, c.tokens, c.counts
         ms = timer(lambda: KS.launch_tiled(*a, sc, prof, stream))
-        results.append(line("scores.tiled", rows, ctx, ms, flop, sbytes, ref("scores")))
-        if rows * G <= 8192 * 32768:
+        results.append(c.line("scores.tiled", ms, c.flop, c.sbytes, c.ref("scores")))
+        if rows * c.G <= 8192 * 32768:
             ms = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=3, warmup=1)
-            results.append(line("scores.light", rows, ctx, ms, flop, sbytes))
+            results.append(c.line("scores.light", ms, c.flop, c.sbytes))
         bits = sc.view(np.uint32)
-        ms = timer(lambda: KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream))
-        results.append(line("topk", rows, ctx, ms, None, tbytes, ref("topk")))
-        ms = timer(lambda: KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream))
-        results.append(line("expand", rows, ctx, ms, None, ebytes, ref("expand")))
+        ms = timer(lambda: KT.launch_topk(bits, c.req, c.pos, c.lens, groups, prof, stream))
+        results.append(c.line("topk", ms, None, c.tbytes, c.ref("topk")))
+        ms = timer(lambda: KE.launch_expand(groups, c.req, c.pos, c.lens, tokens, counts, prof,
+                                            stream))
+        results.append(c.line("expand", ms, None, c.ebytes, c.ref("expand")))
+        chain_bytes = c.sbytes + c.tbytes + c.ebytes
+
         def chain():
             KS.launch_tiled(*a, sc, prof, stream)
-            KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream)
-            KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream)
+            KT.launch_topk(bits, c.req, c.pos, c.lens, groups, prof, stream)
+            KE.launch_expand(groups, c.req, c.pos, c.lens, tokens, counts, prof, stream)
         ms = timer(chain)
-        results.append(line("chain.kernels", rows, ctx, ms, flop, sbytes + tbytes + ebytes))
+        results.append(c.line("chain.kernels", ms, c.flop, chain_bytes))
         out = (tokens, counts, groups)
         ws = sc.reshape(-1)
         ms = timer(lambda: sel.select(*a, Kb=KB, out=out, stream=stream, workspace=ws))
-        chain_ref = f"  (TRT-LLM sum {sum(trt.values()):.2f} ms)" if trt else ""
-        results.append(line("select.api", rows, ctx, ms, flop, sbytes + tbytes + ebytes,
-                            chain_ref + " incl. host-side validation"))
-        if have_torch and rows * G <= 8192 * 32768 * 4:
-            torch, t_scores, t_topk, t_expand = torch_route(host, G)
+        chain_ref = f"  (TRT-LLM sum {sum(c.trt.values()):.2f} ms)" if c.trt else ""
+        results.append(c.line("select.api", ms, c.flop, chain_bytes,
+                              chain_ref + " incl. host-side validation"))
+        if have_torch and rows * c.G <= 8192 * 32768 * 4:
+            torch, t_scores, t_topk, t_expand = torch_route(c.host, c.G)
             ts = t_scores()
             ms_s = timer(t_scores, reps=5)
             ms_t = timer(lambda: t_topk(ts), reps=5)
             tg = t_topk(ts)
             ms_e = timer(lambda: t_expand(tg), reps=5)
-            results.append(line("torch.scores", rows, ctx, ms_s, flop, sbytes))
-            results.append(line("torch.topk", rows, ctx, ms_t, None, tbytes))
-            results.append(line("torch.expand", rows, ctx, ms_e, None, ebytes))
+            results.append(c.line("torch.scores", ms_s, c.flop, c.sbytes))
+            results.append(c.line("torch.topk", ms_t, None, c.tbytes))
+            results.append(c.line("torch.expand", ms_e, None, c.ebytes))
             del ts, tg
             torch.cuda.empty_cache()
-        del sc
+        del c, a, sc, bits, groups, tokens, counts, out, ws   # free before the next case allocates
 
     # crossover: tiled vs light at one context
-    ctx = 32768
     sweep = [1024, 2048, 4096, 8192, 16384, 32768]
     sweep = [1024, 4096] if args.quick else [] if args.tiny else sweep
-    for rows in sweep:
-        if time.time() - t_start > 150:
-            print("(crossover sweep cut short: 150 s budget)")
-            break
-        host, d, G, nbsum = make_inputs(rows, ctx)
-        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
-                            "seq_lens")]
-        sc = cuda.device_array((rows, G), np.float32)
-        flop = 2.0 * HI * DI * nbsum
-        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
-        ms_t = timer(lambda: KS.launch_tiled(*a, sc, prof, stream), reps=3, warmup=1)
-        ms_l = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=3, warmup=1)
-        results.append(line("crossover.tiled", rows, ctx, ms_t, flop, sbytes))
-        results.append(line("crossover.light", rows, ctx, ms_l, flop, sbytes))
-        del sc
+    crossover(results, timer, prof, stream, [(rows, 32768) for rows in sweep], reps=3,
+              t_start=t_start, budget=150)
 
     try:
         rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
@@ -250,8 +270,10 @@ def main():
     except Exception:
         rev = None
     import numba
+    from numqsa.device import device_cc
     name = getattr(cuda.get_current_device(), "name", "numba simulator")
-    meta = dict(device=name.decode() if isinstance(name, bytes) else str(name), cc=list(cc), profile=prof.name, numba=numba.__version__, numpy=np.__version__,
+    meta = dict(device=name.decode() if isinstance(name, bytes) else str(name), cc=list(device_cc()),
+                profile=prof.name, numba=numba.__version__, numpy=np.__version__,
                 python=platform.python_version(), git=rev, peak_tflops=PEAK_TFLOPS,
                 peak_tbs=PEAK_TBS, seconds=time.time() - t_start)
     os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
@@ -262,15 +284,9 @@ def main():
 
 def variants(args):
     """Score-kernel and top-k variants at the issue-3 shapes; tiled vs light at small row counts."""
-    from numba import cuda
     from numqsa.kernels import expand as KE, index_scores as KS, topk as KT
-    from numqsa.device import device_cc
-    from numqsa.plan import arch_profile
 
-    t_start = time.time()
-    prof = arch_profile(device_cc())
-    stream = cuda.default_stream()
-    timer = Timer(stream, args.tiny)
+    prof, stream, timer, t_start = _setup(args)
     results = []
     cases = [(8, 2304)] if args.tiny else [(4096, 32768), (8192, 131072)]
     score_vars = [("scores.keysm.w4", dict(variant="keysm", warps=4, minb=1)),
@@ -279,54 +295,32 @@ def variants(args):
                   ("scores.keysm.w4s4", dict(variant="keysm", warps=4, minb=1, span_tiles=4)),
                   ("scores.generic", dict(variant="generic"))]
     for rows, ctx in cases:
-        host, d, G, nbsum = make_inputs(rows, ctx)
-        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
-                            "seq_lens")]
-        sc = cuda.device_array((rows, G), np.float32)
-        groups = cuda.device_array((rows, KB), np.int32)
-        tokens = cuda.device_array((rows, KB * R + R - 1), np.int32)
-        counts = cuda.device_array(rows, np.int32)
-        flop = 2.0 * HI * DI * nbsum
-        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
-        tbytes = rows * G * 4 + rows * KB * 4
-        trt = TRT_MS.get((rows, ctx), {})
-
-        def ref(stage):
-            return f"  (TRT-LLM {trt[stage]:.2f} ms)" if stage in trt else ""
-
+        c = Case(rows, ctx)
+        a, sc = c.args, c.scores
         for name, kw in score_vars:
             ms = timer(lambda: KS.launch_tiled(*a, sc, prof, stream, **kw), reps=5, warmup=1)
-            results.append(line(name, rows, ctx, ms, flop, sbytes, ref("scores")))
+            results.append(c.line(name, ms, c.flop, c.sbytes, c.ref("scores")))
         KS.launch_tiled(*a, sc, prof, stream)
         bits = sc.view(np.uint32)
         tvars = [("topk.radix", dict(bitmap=False))]
-        if G <= KT.bitmap_shape()[1]:
+        if c.G <= KT.bitmap_shape()[1]:
             tvars = [("topk.bitmap.t512", dict(bitmap=True, threads=512)),
                      ("topk.bitmap.t1024", dict(bitmap=True, threads=1024))] + tvars
         for name, kw in tvars:
-            ms = timer(lambda: KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream, **kw),
-                       reps=5, warmup=1)
-            results.append(line(name, rows, ctx, ms, None, tbytes, ref("topk")))
+            ms = timer(lambda: KT.launch_topk(bits, c.req, c.pos, c.lens, c.groups, prof, stream,
+                                              **kw), reps=5, warmup=1)
+            results.append(c.line(name, ms, None, c.tbytes, c.ref("topk")))
 
         def chain():
             KS.launch_tiled(*a, sc, prof, stream)
-            KT.launch_topk(bits, a[3], a[4], a[5], groups, prof, stream)
-            KE.launch_expand(groups, a[3], a[4], a[5], tokens, counts, prof, stream)
+            KT.launch_topk(bits, c.req, c.pos, c.lens, c.groups, prof, stream)
+            KE.launch_expand(c.groups, c.req, c.pos, c.lens, c.tokens, c.counts, prof, stream)
         ms = timer(chain, reps=5, warmup=1)
-        results.append(line("chain.kernels", rows, ctx, ms, flop, sbytes + tbytes))
-        del sc
-    for rows, ctx in ([] if args.tiny else [(64, 32768), (128, 32768), (256, 32768),
-                                            (512, 32768), (256, 8192), (1024, 8192)]):
-        host, d, G, nbsum = make_inputs(rows, ctx)
-        a = [d[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
-                            "seq_lens")]
-        sc = cuda.device_array((rows, G), np.float32)
-        flop = 2.0 * HI * DI * nbsum
-        sbytes = rows * HI * DI * 2 + G * DI * 2 + rows * G * 4
-        ms_t = timer(lambda: KS.launch_tiled(*a, sc, prof, stream), reps=5, warmup=1)
-        ms_l = timer(lambda: KS.launch_light(*a, sc, prof, stream), reps=5, warmup=1)
-        results.append(line("crossover.tiled", rows, ctx, ms_t, flop, sbytes))
-        results.append(line("crossover.light", rows, ctx, ms_l, flop, sbytes))
+        results.append(c.line("chain.kernels", ms, c.flop, c.sbytes + c.tbytes + c.ebytes))
+        del c, a, sc, bits
+    crossover(results, timer, prof, stream,
+              [] if args.tiny else [(64, 32768), (128, 32768), (256, 32768), (512, 32768),
+                                    (256, 8192), (1024, 8192)], reps=5)
     os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(dict(meta=dict(profile=prof.name, seconds=time.time() - t_start),
