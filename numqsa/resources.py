@@ -18,7 +18,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4")
 

@@ -65,7 +65,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
 def _plan_row(t, r, page_size, table_row, num_pages):
     """Virtual pages of one row, or None if the selection is not whole groups plus one tail run."""
     n = t.size
-    full, tail = n // r, n % r
+    tail = n % r
     starts = t[::r]
     if np.any(np.diff(t) <= 0) or np.any(starts % r):
         return None

@@ -4,7 +4,6 @@ against the float64 oracle.
 Simulator cases are tiny (Hi 2, Di 16-32, a few rows); ``@pytest.mark.gpu`` cases run the real shapes
 on a GPU (the lead runs them on an H200, also with ``NUMQSA_ARCH=sm_70`` for the m8n8k4 path).
 """
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from oracle.problems import make_problem
 from numqsa import selection as sel
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
 
-from conftest import SIMULATOR
 
 SMALL = dict(Hi=2, Di=16, D=8)
 ROT = 8

@@ -59,7 +59,7 @@ def make_attention_kernel(d, hg, threads):
     DP = D + 1
     NPER = -(-HG * D // NT)
     UD, UT, UNT, UCH, UHG = uint32(D), uint32(T), uint32(NT), uint32(CHUNK), uint32(HG)
-    U0, U1 = uint32(0), uint32(1)
+    U0 = uint32(0)
     NEG_INF = float32(-math.inf)
     F0, F1 = float32(0), float32(1)
 

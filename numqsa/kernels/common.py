@@ -1,6 +1,5 @@
 """Device helpers shared by every stage: the batch description of spec §1 read on the device."""
-import numpy as np
-from numba import uint32, int32
+from numba import int32
 
 from ..jit import device_jit
 

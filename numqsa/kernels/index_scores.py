@@ -284,7 +284,7 @@ def make_tiled_scores_kernel(kind, hi, di, r):
 
     WARPS, TN = _tiled_shape()
     NT = 32 * WARPS
-    HI, DI = hi, di
+    HI = hi
     RW = 16 // hi               # query rows per warp
     TM = WARPS * RW
     DIW = di // 2
@@ -294,7 +294,6 @@ def make_tiled_scores_kernel(kind, hi, di, r):
     inv_sqrt = float32(1.0 / math.sqrt(di))
     SCRW = M.SCRATCH_WORDS
     XS = 32 if SIMULATOR else 1
-    FULL = uint32(0xFFFFFFFF)
     U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
     F0 = float32(0.0)
     mma16 = M.mma_m16n8k16_f16

@@ -16,8 +16,9 @@ from ..jit import SIMULATOR, device_jit, jit
 from .mma import (SCRATCH_WORDS, ld_global_nc_v4_u32, mma_m8n8k4_f16, mma_m16n8k16_f16,
                   pack_f16x2)
 
-__all__ = ["make_plan_kernel", "launch_plan", "make_page4_kernel", "launch_page4", "page4_groups",
-           "stage_pages", "RESOURCE_CASES"]
+__all__ = ["make_plan_kernel", "launch_plan", "make_page4_kernel", "make_page4_tc_kernel",
+           "make_window_keys_kernel", "launch_page4", "page4_windows", "stage_pages",
+           "RESOURCE_CASES"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,6 @@ def make_plan_kernel(threads, r):
         row = uint32(cuda.blockIdx.x)
         width = int32(tokens.shape[1])
         slots = uint32(pages.shape[1])
-        page_size = int32(0)
         req = int32(req_ids[row])
         slen = int32(0)
         if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(block_table.shape[0]):
@@ -210,8 +210,7 @@ def make_page4_kernel(d, group_rows, kind, r=4):
     NQ = (D // 16) * 2 if M16 else (D // 8) * 2        # Q^T B-fragment words per lane
     DH = D // 2
     U0, U1, U2, U3, U4, U8, U31 = (uint32(v) for v in (0, 1, 2, 3, 4, 8, 31))
-    UD, UR, UNT, UCT, UC = uint32(D), uint32(R), uint32(NT), uint32(CT), uint32(C)
-    UWK = uint32(KEY_WINDOW)
+    UD, UR, UNT = uint32(D), uint32(R), uint32(NT)
     F0, F1 = float32(0), float32(1)
     NEG_INF = float32(-math.inf)
     HT = HEAD_TILE
@@ -827,7 +826,7 @@ def make_page4_tc_kernel(d, group_rows, stage_pages, r=4):
     NQW = 2 * NKS                     # Q^T fragment words per lane
     NOA = 4 * NKS                     # O^T accumulators per lane
     U0, U1, U2, U3, U4, U8 = (uint32(v) for v in (0, 1, 2, 3, 4, 8))
-    U31, UNT, UC, UD = uint32(31), uint32(NT), uint32(C), uint32(D)
+    U31, UNT, UC = uint32(31), uint32(NT), uint32(C)
     UKW, UVW, UNK = uint32(KW), uint32(VW), uint32(NK)
     F0, F1 = float32(0), float32(1)
     NEG_INF = float32(-math.inf)

@@ -13,7 +13,6 @@ Scores are read as their uint32 bit patterns (a float32 array viewed as uint32);
 """
 import functools
 
-import numpy as np
 from numba import cuda, int32, uint32
 
 from ..jit import SIMULATOR, device_jit, jit
