@@ -18,6 +18,7 @@ from oracle import validate as V
 
 from . import device as dev
 from .kernels import attention as _generic
+from .kernels import grouped as _grouped
 from .kernels import page4 as _page4
 from .plan import plan_attention
 
@@ -51,6 +52,13 @@ def _page4_unsupported(qd, kd, d, r):
     if r != 4:
         return f"its virtual pages are 4 tokens (r = {r})"
     return ""
+
+
+def _grouped_ok(profile, q, k_cache, v_cache):
+    """The grouped kernel (cp.async, ldmatrix: sm_80+) takes aligned caches with a contiguous D axis;
+    sm_70 keeps the m8n8k4 page-4 kernel."""
+    return (profile.attention.mma == "m16n8k16" and _grouped.words_view(k_cache) is not None
+            and _grouped.words_view(v_cache) is not None and _grouped.words_view(q, 4) is not None)
 
 
 def route(rows, page_size, r=4, cc=None):
@@ -104,8 +112,14 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
                          ints("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
         _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
-        _page4.launch_page4(qd_, kc, vc, pages, nv, tl, rid, scale, o, lse, plan.profile, stream, r,
-                            tokens=tok, keys=ints("page4.keys", tok.shape))
+        if _grouped_ok(plan.profile, qd_, kc, vc):
+            bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
+                    else (lambda n, shape, dt: dev.empty(shape, dt, stream)))
+            _grouped.launch_grouped(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, plan.profile,
+                                    stream, bufs, "f16", "f16" if od == "float16" else "f32")
+        else:
+            _page4.launch_page4(qd_, kc, vc, pages, nv, tl, rid, scale, o, lse, plan.profile, stream,
+                                r, tokens=tok, keys=ints("page4.keys", tok.shape))
         # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
         # one; select() never makes such) left its row inert above: the generic kernel takes exactly
         # those rows, so the route choice never changes which tokens a row attends to.

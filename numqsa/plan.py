@@ -83,7 +83,7 @@ PROFILES = {
         smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=512),
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
     ),
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
         name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
@@ -94,9 +94,10 @@ PROFILES = {
         # that untested, so light
         scores=ScoresProfile(mma="m16n8k16", tiled_min_rows=64, tiled_min_elems=1 << 19),
         topk=TopkProfile(),
-        # page4_min_rows: H200, 32K context, 2051 selected (ms, generic / page4): 16 rows 2.52 /
-        # 2.84, 64: 2.45 / 2.77, 256: 2.66 / 3.02, 1024: 6.12 / 3.09 -> crossover ~512 rows
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=512),
+        # page4_min_rows: the grouped kernel (numqsa.kernels.grouped) wins from one row: H200, 32K
+        # context, 2051 selected, GPU-only ms (bench/attention_probe.py, bench/NOTES.md "grouped
+        # v3"), grouped / generic: 1 row 0.095 / 3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
     ),
 }
 

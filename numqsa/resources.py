@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4")
+KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4", "grouped")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,765 @@
+"""Grouped sparse attention over page-4 virtual pages (spec §7), sm_80+ (m16n8k16 tensor cores).
+
+Three kernels after the page-4 plan (:mod:`numqsa.kernels.page4`, which turns each row's selection
+into virtual pages ``(physical page, first slot)`` in logical order, the partial tail page last):
+
+1. **window plan** (:func:`make_window_plan_kernel`): a *window* is up to ``G`` consecutive rows; a
+   row's virtual pages are cut into fixed *pieces* of ``PIECE`` pages (the last piece takes the
+   remainder: ``max(1, nv // PIECE)`` pieces). For each (window, piece) the kernel builds the union of
+   the rows' pages of that piece, ordered by (request run, logical group) through a bitmap of the
+   logical groups in shared memory, and for every own page its index in that union. A row whose
+   chunk of 4 own pages would spread over more union stages than the attention kernel keeps resident
+   is marked *solo* for that piece.
+2. **attention** (:func:`make_grouped_kernel`): one block per (window, piece, KV head); warp
+   ``w`` = (row ``w // HT``, head tile ``w % HT``). The block streams the union through a ring of
+   ``NB`` shared-memory stages of ``SP`` pages with ``cp.async`` (``NF`` stages in flight, the other
+   ``NB - NF`` kept readable); after each stage lands, every warp consumes the chunks of its own
+   pages whose last page is resident: ``S^T = K Q^T`` (K fragments by ``ldmatrix``), online softmax
+   per chunk, ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``, P^T by ``movmatrix``). Solo rows
+   are then streamed one at a time with their own pages only.
+3. **merge** (:func:`make_merge_kernel`): rows with several pieces combine them in piece order.
+
+Invariance: a row's arithmetic depends only on its own selection: chunks are its own pages
+``4c .. 4c+3`` of a piece, pieces are fixed by its page count, and the merge folds pieces in order.
+Which rows share its window, how the union is staged, whether it runs solo, the page placement and
+the batch never change which numbers are added in which order; they only change where the operands
+are loaded from.
+
+Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * D * 2`` bytes of dynamic memory (D 256, NB 6, SP 8:
+192 KB), rows of 16-byte chunks XOR-swizzled by ``(ring page & 1) * 4 + token`` against bank conflicts.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from ..jit import SIMULATOR, device_jit, jit
+from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
+from .smem import (shared_base, cp_async_16, cp_async_commit, cp_async_wait_fn, ldmatrix_x4, ldmatrix_x4_trans,
+                   movmatrix_trans, shfl_xor_f32)
+
+__all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
+           "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
+
+PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
+MAX_WARPS = 8          # warps per attention block (~170 registers a thread: 8 warps fit 64K)
+MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window still loads with 4
+HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
+BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
+NEG_INF = float32(-math.inf)
+
+
+class GroupedConfig:
+    """Launch shape of the grouped route; none of it changes a row's arithmetic except ``piece``."""
+
+    def __init__(self, d, hg, stages, stage_pages, prefetch, rows_per_window, plan_threads,
+                 piece=PIECE):
+        self.d = int(d)
+        self.piece = int(piece)                                  # arithmetic: fixed per platform
+        self.head_tiles = -(-int(hg) // HEAD_TILE)              # HT
+        self.heads_per_tile = -(-int(hg) // self.head_tiles)     # balanced: 12 -> 2 x 6
+        self.stages = int(stages)                                # NB
+        self.stage_pages = int(stage_pages)                      # SP
+        self.prefetch = int(prefetch)                            # NF (runtime: G = 1 prefetches more)
+        self.rows_per_window = int(rows_per_window)              # G
+        self.plan_threads = int(plan_threads)
+
+    @property
+    def keep(self):
+        return self.stages - self.prefetch
+
+    @property
+    def smem_bytes(self):
+        return self.stages * self.stage_pages * 2 * 4 * self.d * 2
+
+
+#: Benchmark-only overrides of :func:`grouped_config`'s choices (bench/attention_probe.py --tune).
+TUNING = {}
+
+
+def grouped_config(d, hg, rows, kb1, hkv, profile):
+    """Choose window size and prefetch depth: windows of ``MAX_WARPS // HT`` rows share their loads;
+    few rows get narrower windows (more blocks) down to single rows that prefetch deeper."""
+    ht = -(-int(hg) // HEAD_TILE)
+    if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
+        return GroupedConfig(d, hg, 3, 4, 1, max(1, 2 // ht), 32, piece=8)
+    pieces = pieces_of(kb1, PIECE)
+    g = max(1, MAX_WARPS // ht)
+    sms = int(profile.sm_count)
+    while g > 1 and -(-rows // g) * pieces * hkv < sms:
+        g //= 2
+    g = TUNING.get("g", g)
+    stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
+    prefetch = TUNING.get("nf", stages - 1 if g == 1 else 2)
+    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), prefetch, g, 256,
+                         piece=TUNING.get("pc", PIECE))
+
+
+# ------------------------------------------------------------------------------------------------
+# Window plan
+# ------------------------------------------------------------------------------------------------
+
+@device_jit(forceinline=True)
+def _piece_range(nv, piece, pc):
+    """(first page, end page) of piece ``piece`` of a row with ``nv`` pages (empty past its pieces)."""
+    npc = max(int32(1), nv // int32(pc))
+    if piece >= npc:
+        return int32(0), int32(0)
+    k0 = piece * int32(pc)
+    k1 = k0 + int32(pc)
+    if piece == npc - int32(1):
+        k1 = nv
+    return k0, k1
+
+
+@functools.lru_cache(maxsize=None)
+def make_window_plan_kernel(threads, piece, stage_pages, keep):
+    """Grid ``(windows, pieces)``, ``threads`` threads; static shared memory ~8.2 KB.
+
+    Outputs per (window, piece): ``wunion[w, p, u] = (page, slot)`` of union entry ``u``,
+    ``wmeta[w, p] = (union size, solo-row bit mask)``; per row ``ownu[row, k]`` = union index of
+    own page ``k`` (within its piece's union). Rows are cut into runs of equal ``req_ids`` (keys of
+    different requests never merge); within a run the union is ordered by logical group.
+    """
+    NT, PC, SP, KEEP = int(threads), int(piece), int(stage_pages), int(keep)
+    NBW = BITMAP_WORDS
+    WPT = NBW // NT                           # bitmap words per thread in the scan
+    NBITS = 32 * NBW
+    UNT = uint32(NT)
+
+    def kernel(tokens, pages, num_vpages, req_ids, windows, wunion, wmeta, ownu):
+        bits = cuda.shared.array(NBW, uint32)
+        pref = cuda.shared.array(NBW, int32)
+        scan = cuda.shared.array(NT, int32)
+        ssolo = cuda.shared.array(1, uint32)
+        tid = uint32(cuda.threadIdx.x)
+        win = uint32(cuda.blockIdx.x)
+        piece_ = int32(cuda.blockIdx.y)
+        first = int32(windows[win, 0])
+        cnt = int32(windows[win, 1])
+        if tid == uint32(0):
+            ssolo[0] = uint32(0)
+        offset = int32(0)
+        w = int32(0)
+        while w < cnt:
+            we = w + int32(1)
+            while we < cnt and req_ids[first + we] == req_ids[first + w]:
+                we += int32(1)
+            kmin = int32(2147483647)
+            kmax = int32(-1)
+            for x in range(w, we):
+                row = first + x
+                k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                if k1 > k0:
+                    kmin = min(kmin, int32(tokens[row, 4 * k0]) >> int32(2))
+                    kmax = max(kmax, int32(tokens[row, 4 * (k1 - int32(1))]) >> int32(2))
+            base = kmin
+            while base <= kmax:
+                for i in range(tid, uint32(NBW), UNT):
+                    bits[i] = uint32(0)
+                cuda.syncthreads()
+                for x in range(w, we):
+                    row = first + x
+                    k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                    for k in range(k0 + int32(tid), k1, int32(NT)):
+                        key = (int32(tokens[row, 4 * k]) >> int32(2)) - base
+                        if key >= int32(0) and key < int32(NBITS):
+                            cuda.atomic.or_(bits, key >> int32(5), uint32(1) << uint32(key & int32(31)))
+                cuda.syncthreads()
+                own = int32(0)
+                for i in range(WPT):
+                    own += int32(cuda.popc(bits[tid * uint32(WPT) + uint32(i)]))
+                scan[tid] = own
+                cuda.syncthreads()
+                step = uint32(1)
+                while step < UNT:          # Hillis-Steele inclusive scan of the thread sums
+                    v = int32(0)
+                    if tid >= step:
+                        v = scan[tid - step]
+                    cuda.syncthreads()
+                    scan[tid] += v
+                    cuda.syncthreads()
+                    step *= uint32(2)
+                run = scan[tid] - own
+                for i in range(WPT):
+                    wd = tid * uint32(WPT) + uint32(i)
+                    pref[wd] = run
+                    run += int32(cuda.popc(bits[wd]))
+                total = scan[UNT - uint32(1)]
+                cuda.syncthreads()
+                for x in range(w, we):
+                    row = first + x
+                    k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                    for k in range(k0 + int32(tid), k1, int32(NT)):
+                        key = (int32(tokens[row, 4 * k]) >> int32(2)) - base
+                        if key >= int32(0) and key < int32(NBITS):
+                            wd = key >> int32(5)
+                            below = bits[wd] & ((uint32(1) << uint32(key & int32(31))) - uint32(1))
+                            u = offset + pref[wd] + int32(cuda.popc(below))
+                            ownu[row, k] = u
+                            wunion[win, piece_, u, 0] = pages[row, k, 0]
+                            wunion[win, piece_, u, 1] = pages[row, k, 1]
+                offset += total
+                cuda.syncthreads()
+                base += int32(NBITS)
+            w = we
+        cuda.syncthreads()
+        # A chunk (own pages 4c..4c+3 of the piece) is consumed when its last page lands; its first
+        # page must still be in one of the KEEP readable stages, else the row runs solo.
+        for x in range(cnt):
+            row = first + x
+            k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+            nch = (k1 - k0 + int32(3)) >> int32(2)
+            for c in range(int32(tid), nch, int32(NT)):
+                ka = k0 + int32(4) * c
+                kz = min(ka + int32(3), k1 - int32(1))
+                if int32(ownu[row, ka]) // int32(SP) + int32(KEEP - 1) < int32(ownu[row, kz]) // int32(SP):
+                    cuda.atomic.or_(ssolo, 0, uint32(1) << uint32(x))
+        cuda.syncthreads()
+        if tid == uint32(0):
+            wmeta[win, piece_, 0] = offset
+            wmeta[win, piece_, 1] = int32(ssolo[0])
+
+    kernel.__name__ = f"grouped_window_plan_t{NT}_p{PC}_s{SP}_k{KEEP}"
+    kernel.__qualname__ = kernel.__name__
+    return jit(kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+
+@device_jit(forceinline=True)
+def _col_max(x, lane, scr):
+    """Max over the 8 lanes sharing ``lane % 4`` (a column of an m16n8 accumulator)."""
+    x = max(x, shfl_xor_f32(x, 4, scr, lane))
+    x = max(x, shfl_xor_f32(x, 8, scr, lane))
+    return max(x, shfl_xor_f32(x, 16, scr, lane))
+
+
+@device_jit(forceinline=True)
+def _col_sum(x, lane, scr):
+    x += shfl_xor_f32(x, 4, scr, lane)
+    x += shfl_xor_f32(x, 8, scr, lane)
+    return x + shfl_xor_f32(x, 16, scr, lane)
+
+
+@device_jit(forceinline=True)
+def _page_len(k, k1, nv, tl):
+    """Valid tokens of own page ``k`` (0 past the piece end; the tail page has ``tl`` if > 0)."""
+    if k >= k1:
+        return int32(0)
+    if k == nv - int32(1) and tl > int32(0):
+        return tl
+    return int32(4)
+
+
+@device_jit(forceinline=True)
+def _ring_row(x, solo_phase, sown, rp_count):
+    """Ring page holding the piece's own page ``x`` (its union index modulo the ring; solo: ``x``)."""
+    u = x
+    if not solo_phase:
+        u = sown[x]
+    return uint32(u) % uint32(rp_count)
+
+
+@device_jit(forceinline=True)
+def _mask2(o2, ln):
+    """Word mask keeping tokens ``o2`` (low half) and ``o2 + 1`` (high half) of a page of ``ln``."""
+    m = uint32(0)
+    if o2 < ln:
+        m |= uint32(0x0000FFFF)
+    if o2 + int32(1) < ln:
+        m |= uint32(0xFFFF0000)
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind):
+    """Grid ``(windows, pieces, Hkv)``, block ``32 * rows_per_window * HT`` threads, dynamic shared
+    memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V); ``out_kind`` "f32", "f16"
+    or "bf16" (the last written as uint16 bits)."""
+    D, HG, NB, SP, G, PC = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
+    if D % 16:
+        raise ValueError(f"the grouped kernel needs d % 16 == 0, got {D}")
+    HT = -(-HG // HEAD_TILE)
+    HH = -(-HG // HT)
+    NW = max(G * HT, MIN_WARPS)        # warps past G * HT only load (few-row windows)
+    NT = 32 * NW
+    NKS = D // 16                      # k-steps of S^T, m-tiles of O^T
+    NQF = 2 * NKS                      # Q^T fragment words per lane
+    NOA = 4 * NKS                      # O^T accumulators per lane
+    RW = D // 2                        # words per token row
+    PW = 4 * RW                        # words per page
+    RP = NB * SP                       # ring pages
+    OWNMAX = 2 * PC                    # own pages of one piece, at most (the last takes the rest)
+    VOFF = RP * PW                     # V region offset (words)
+    NCH16 = D // 8                     # 16-byte chunks per token row
+    SWZ = min(8, NCH16) - 1
+    IPP = 2 * 4 * NCH16                # 16-byte copies per page (K and V, 4 token rows)
+    U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
+    UNT = uint32(NT)
+    F0, F1 = float32(0), float32(1)
+    mma = mma_m16n8k16_bf16 if dtype == "bf16" else mma_m16n8k16_f16
+    pack = pack_bf16x2 if dtype == "bf16" else pack_f16x2
+    waits = [cp_async_wait_fn(n) for n in range(NB)]
+    w0, w1, w2, w3, w4, w5 = (waits + [waits[0]] * 6)[:6]
+    if out_kind == "f32":
+        def conv(x):
+            return float32(x)
+    elif out_kind == "f16":
+        from numba.cuda.types import float16
+
+        def conv(x):
+            return float16(x)
+    else:
+        def conv(x):
+            return pack_bf16x2(x, F0) & uint32(0xFFFF)
+    conv = device_jit(conv, forceinline=True)
+
+    @device_jit(forceinline=True)
+    def wait_pending(n):
+        if n <= 0:
+            w0()
+        elif n == 1:
+            w1()
+        elif n == 2:
+            w2()
+        elif n == 3:
+            w3()
+        elif n == 4:
+            w4()
+        else:
+            w5()
+
+    @device_jit(forceinline=True)
+    def issue(dynr, sb, s, nstream, solo_row, win, piece_, kstart_s, wunion, pages, kw, vw, ks0, ks1,
+              vs0, vs1, jk, jv, tid):
+        """cp.async of stage ``s`` (stream pages ``s*SP ..``) into ring buffer ``s % NB``. Per page:
+        items (K/V, token row r, 16-byte chunk c16), chunks fastest (coalesced 512-byte rows)."""
+        stage = sb + uint32(4 * SP * PW) * (uint32(s) % uint32(NB))
+        for q in range(SP):
+            u = int32(s) * int32(SP) + int32(q)
+            if u < nstream:
+                pg = int32(0)
+                sl = int32(0)
+                if solo_row < int32(0):
+                    pg = wunion[win, piece_, u, 0]
+                    sl = wunion[win, piece_, u, 1]
+                else:
+                    pg = pages[solo_row, kstart_s + u, 0]
+                    sl = pages[solo_row, kstart_s + u, 1]
+                for e in range(tid, uint32(IPP), UNT):
+                    c16 = e % uint32(NCH16)
+                    rest = e // uint32(NCH16)
+                    r = rest & U3
+                    key = (uint32((q & 1) << 2) | r) & uint32(SWZ)
+                    dst = uint32(stage + uint32(4) * ((uint32(4 * q) + r) * uint32(RW)
+                                                      + U4 * (c16 ^ key)))
+                    slr = int32(sl) + int32(r)
+                    if rest < U4:
+                        cp_async_16(dynr, dst, kw, int32(pg) * ks0 + slr * ks1 + jk
+                                    + int32(4 * c16), 16)
+                    else:
+                        cp_async_16(dynr, dst + uint32(4 * VOFF), vw, int32(pg) * vs0
+                                    + slr * vs1 + jv + int32(4 * c16), 16)
+
+    @device_jit(forceinline=True)
+    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, scale):
+        """One chunk (own pages k0..k0+3): online-softmax update of ``oacc`` and ``ml``."""
+        g = lane >> U2
+        t = lane & U3
+        # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
+        tk = (lane & uint32(7)) + uint32(8) * ((lane >> U3) & U1)
+        tv = (lane & uint32(7)) + uint32(8) * (lane >> U4)
+        rpk = _ring_row(min(k0 + int32(tk >> U2), k1 - int32(1)) - kstart, solo_phase, sown, RP)
+        rpv = _ring_row(min(k0 + int32(tv >> U2), k1 - int32(1)) - kstart, solo_phase, sown, RP)
+        rk = tk & U3
+        rv = tv & U3
+        kbase = uint32(sb + uint32(4 * RW) * (rpk * U4 + rk))
+        vbase = uint32(sb + uint32(4 * VOFF) + uint32(4 * RW) * (rpv * U4 + rv))
+        keyk = ((rpk & U1) << U2 | rk) & uint32(SWZ)
+        keyv = ((rpv & U1) << U2 | rv) & uint32(SWZ)
+        hik = lane >> U4
+        hiv = (lane >> U3) & U1
+        sa = (F0, F0, F0, F0)          # four accumulation chains: k-steps 4i, 4i+1, 4i+2, 4i+3
+        sb = (F0, F0, F0, F0)
+        sc = (F0, F0, F0, F0)
+        sd = (F0, F0, F0, F0)
+        for ks in range(NKS):
+            a = ldmatrix_x4(dyn, uint32(kbase + uint32(16) * ((uint32(2 * ks) + hik) ^ keyk)), scr,
+                            lane)
+            b = (qf[2 * ks], qf[2 * ks + 1])
+            if ks % 4 == 0:
+                sa = mma(a, b, sa, scr, lane)
+            elif ks % 4 == 1:
+                sb = mma(a, b, sb, scr, lane)
+            elif ks % 4 == 2:
+                sc = mma(a, b, sc, scr, lane)
+            else:
+                sd = mma(a, b, sd, scr, lane)
+        sa = ((sa[0] + sb[0]) + (sc[0] + sd[0]), (sa[1] + sb[1]) + (sc[1] + sd[1]),
+              (sa[2] + sb[2]) + (sc[2] + sd[2]), (sa[3] + sb[3]) + (sc[3] + sd[3]))
+        la = _page_len(k0 + int32(g >> U2), k1, nv, tl)
+        lb = _page_len(k0 + int32(2) + int32(g >> U2), k1, nv, tl)
+        tg = int32(g & U3)
+        s0 = NEG_INF
+        s1 = NEG_INF
+        s2 = NEG_INF
+        s3 = NEG_INF
+        if tg < la:
+            s0 = sa[0] * scale
+            s1 = sa[1] * scale
+        if tg < lb:
+            s2 = sa[2] * scale
+            s3 = sa[3] * scale
+        m0 = ml[0]
+        m1 = ml[1]
+        mn0 = max(m0, _col_max(max(s0, s2), lane, scr))
+        mn1 = max(m1, _col_max(max(s1, s3), lane, scr))
+        al0 = F1
+        al1 = F1
+        if mn0 != NEG_INF:
+            al0 = math.exp(m0 - mn0)
+        if mn1 != NEG_INF:
+            al1 = math.exp(m1 - mn1)
+        p0 = F0
+        p1 = F0
+        p2 = F0
+        p3 = F0
+        if s0 != NEG_INF:
+            p0 = math.exp(s0 - mn0)
+        if s1 != NEG_INF:
+            p1 = math.exp(s1 - mn1)
+        if s2 != NEG_INF:
+            p2 = math.exp(s2 - mn0)
+        if s3 != NEG_INF:
+            p3 = math.exp(s3 - mn1)
+        ml[0] = mn0
+        ml[1] = mn1
+        ml[2] = ml[2] * al0 + (p0 + p2)
+        ml[3] = ml[3] * al1 + (p1 + p3)
+        bq0 = movmatrix_trans(pack(p0, p1), scr, lane)
+        bq1 = movmatrix_trans(pack(p2, p3), scr, lane)
+        o2 = int32(2) * int32(t & U1)
+        mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
+        mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
+        for mt in range(NKS):
+            a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv) ^ keyv)),
+                                  scr, lane)
+            cc = (oacc[4 * mt] * al0, oacc[4 * mt + 1] * al1, oacc[4 * mt + 2] * al0,
+                  oacc[4 * mt + 3] * al1)
+            res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr, lane)
+            oacc[4 * mt] = res[0]
+            oacc[4 * mt + 1] = res[1]
+            oacc[4 * mt + 2] = res[2]
+            oacc[4 * mt + 3] = res[3]
+
+    def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
+               windows, wunion, wmeta, ownu, nf, scale, out, lse, part_o, part_ml):
+        dyn = cuda.shared.array(0, uint32)
+        scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
+        sown_all = cuda.shared.array((G, OWNMAX), int32)
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & uint32(31)
+        g = lane >> U2
+        t = lane & U3
+        scr = scr_all[warp]
+        win = uint32(cuda.blockIdx.x)
+        piece_ = int32(cuda.blockIdx.y)
+        j = uint32(cuda.blockIdx.z)
+        wslot = int32(warp // uint32(HT))
+        ht = warp % uint32(HT)
+        h0 = j * uint32(HG) + ht * uint32(HH)
+        nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
+        first = int32(windows[win, 0])
+        cnt = int32(windows[win, 1])
+        row = first + wslot
+        live = wslot < cnt
+        nv = int32(0)
+        tl = int32(0)
+        if live:
+            nv = int32(num_vpages[row])
+            tl = int32(tail_len[row])
+        npc = max(int32(1), nv // int32(PC))
+        writer = live and piece_ < npc
+        kstart, kend = _piece_range(nv, piece_, PC)
+        nstream0 = int32(wmeta[win, piece_, 0])
+        solo = uint32(wmeta[win, piece_, 1])
+
+        qf = cuda.local.array(NQF, uint32)
+        for ks in range(NKS):
+            for jj in range(2):
+                wq = U0
+                if writer and g < nh:
+                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj) + int32(t)])
+                qf[2 * ks + jj] = wq
+        oacc = cuda.local.array(NOA, float32)
+        for x in range(NOA):
+            oacc[x] = F0
+        ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
+        ml[0] = NEG_INF
+        ml[1] = NEG_INF
+        ml[2] = F0
+        ml[3] = F0
+
+        sb = shared_base(dyn)
+        sown = sown_all[min(wslot, int32(G - 1))]
+        if writer and ht == U0:
+            for x in range(kstart + int32(lane), kend, int32(32)):
+                sown[x - kstart] = ownu[row, x]
+        cuda.syncthreads()
+        jk = int32(j) * ks2
+        jv = int32(j) * vs2
+        nph = int32(1) + int32(cuda.popc(solo))
+        rest = solo
+        for ph in range(nph):
+            solo_row = int32(-1)
+            sbit = int32(-1)
+            nstream = nstream0
+            kst = int32(0)
+            if ph > 0:
+                sbit = int32(cuda.ffs(rest)) - int32(1)
+                rest &= rest - U1
+                solo_row = first + sbit
+                a0, a1 = _piece_range(int32(num_vpages[solo_row]), piece_, PC)
+                kst = a0
+                nstream = a1 - a0
+            mine = writer and kend > kstart
+            if ph == 0:
+                mine = mine and ((solo >> uint32(wslot)) & U1) == U0
+            else:
+                mine = mine and wslot == sbit
+            nst = (nstream + int32(SP - 1)) // int32(SP)
+            for s in range(nf):
+                if s < nst:
+                    issue(dyn, sb, s, nstream, solo_row, win, piece_, kst, wunion, pages, kw, vw, ks0,
+                          ks1, vs0, vs1, jk, jv, tid)
+                cp_async_commit()
+            c = kstart
+            for s in range(nst):
+                wait_pending(nf - int32(1))
+                cuda.syncthreads()
+                if s + nf < nst:
+                    issue(dyn, sb, s + nf, nstream, solo_row, win, piece_, kst, wunion, pages, kw, vw,
+                          ks0, ks1, vs0, vs1, jk, jv, tid)
+                cp_async_commit()
+                if mine:
+                    lim = (s + int32(1)) * int32(SP)
+                    while c < kend:
+                        kz = min(c + int32(3), kend - int32(1))
+                        uz = kz - kstart
+                        if ph == 0:
+                            uz = sown[kz - kstart]
+                        if uz >= lim:
+                            break
+                        chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown,
+                              scale)
+                        c += int32(4)
+            wait_pending(0)
+            cuda.syncthreads()
+
+        lt0 = _col_sum(ml[2], lane, scr)
+        lt1 = _col_sum(ml[3], lane, scr)
+        if writer:
+            hA = U2 * t
+            for i in range(2):
+                hh = hA + uint32(i)
+                li = lt0
+                mi = ml[0]
+                if i == 1:
+                    li = lt1
+                    mi = ml[1]
+                if g == U0 and hh < nh:
+                    if npc == int32(1):
+                        lv = NEG_INF
+                        if li > F0 or li != li:
+                            lv = mi + math.log(li)
+                        lse[row, h0 + hh] = lv
+                    else:
+                        part_ml[row, h0 + hh, piece_, 0] = mi
+                        part_ml[row, h0 + hh, piece_, 1] = li
+            for mt in range(NKS):
+                for i in range(4):
+                    dd = uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                    hh = hA + (uint32(i) & U1)
+                    if hh < nh:
+                        li = lt0
+                        if (i & 1) == 1:
+                            li = lt1
+                        if npc == int32(1):
+                            o = F0
+                            if li > F0 or li != li:
+                                o = oacc[4 * mt + i] / li
+                            out[row, h0 + hh, dd] = conv(o)
+                        else:
+                            part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
+
+    kernel.__name__ = f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_{dtype}_{out_kind}"
+    kernel.__qualname__ = kernel.__name__
+    k = jit(kernel)
+    k.threads = NT
+    return k
+
+
+@functools.lru_cache(maxsize=None)
+def make_merge_kernel(d, out_kind, piece):
+    """Grid ``(rows, Hq)``, block ``d`` threads: rows with several pieces fold them in piece order:
+    ``M = max m_p``, ``L = sum_p l_p e^(m_p - M)``, ``out = sum_p O_p e^(m_p - M) / L``,
+    ``lse = M + log L``. Rows with one piece were written by the attention kernel."""
+    D, PC = int(d), int(piece)
+    F0 = float32(0)
+    if out_kind == "f32":
+        def conv(x):
+            return float32(x)
+    elif out_kind == "f16":
+        from numba.cuda.types import float16
+
+        def conv(x):
+            return float16(x)
+    else:
+        def conv(x):
+            return pack_bf16x2(x, F0) & uint32(0xFFFF)
+    conv = device_jit(conv, forceinline=True)
+
+    def kernel(num_vpages, part_o, part_ml, out, lse):
+        row = uint32(cuda.blockIdx.x)
+        h = uint32(cuda.blockIdx.y)
+        dd = uint32(cuda.threadIdx.x)
+        nv = int32(num_vpages[row])
+        npc = max(int32(1), nv // int32(PC))
+        if npc < int32(2):
+            return
+        mx = NEG_INF
+        for p in range(npc):
+            mx = max(mx, part_ml[row, h, p, 0])
+        lsum = F0
+        acc = F0
+        for p in range(npc):
+            m = part_ml[row, h, p, 0]
+            w = float32(0)
+            if m != NEG_INF:
+                w = math.exp(m - mx)
+            lsum += part_ml[row, h, p, 1] * w
+            acc += part_o[row, h, p, dd] * w
+        o = F0
+        if lsum > F0 or lsum != lsum:
+            o = acc / lsum
+        if dd < uint32(D):
+            out[row, h, dd] = conv(o)
+        if dd == uint32(0):
+            lv = NEG_INF
+            if lsum > F0 or lsum != lsum:
+                lv = mx + math.log(lsum)
+            lse[row, h] = lv
+
+    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}"
+    kernel.__qualname__ = kernel.__name__
+    return jit(kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+
+def pieces_of(kb1, piece):
+    """Most pieces a row of ``kb1`` virtual-page slots can have."""
+    return max(1, int(kb1) // int(piece))
+
+
+def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req_ids, scale, out,
+                   lse, profile, stream, buffers, dtype="f16", out_kind=None):
+    """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
+    ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
+    K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`)."""
+    from .. import device as dev
+    from .page4 import _launch_dynamic
+    rows, hq, d = q.shape
+    hkv = int(k_cache.shape[2])
+    if rows == 0:
+        return out, lse
+    hg = hq // hkv
+    kb1 = int(pages.shape[1])
+    cfg = grouped_config(d, hg, rows, kb1, hkv, profile)
+    pc = cfg.piece
+    npieces = pieces_of(kb1, pc)
+    g = cfg.rows_per_window
+    nwin = -(-rows // g)
+    first = np.arange(0, rows, g, dtype=np.int32)
+    windows = dev.constant(np.stack([first, np.minimum(g, rows - first)], 1).astype(np.int32), stream)
+    cap = g * min(kb1, 2 * pc)
+    wunion = buffers("grouped.wunion", (nwin, npieces, cap, 2), np.int32)
+    wmeta = buffers("grouped.wmeta", (nwin, npieces, 2), np.int32)
+    ownu = buffers("grouped.ownu", (rows, kb1), np.int32)
+    kp = make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
+    kp[(nwin, npieces), cfg.plan_threads, stream](tokens, pages, num_vpages, req_ids, windows,
+                                                  wunion, wmeta, ownu)
+    kv, vv = words_view(k_cache), words_view(v_cache)
+    qv = words_view(q, align=4)
+    if kv is None or vv is None or qv is None:
+        raise ValueError("grouped route needs K/V/q with a contiguous, aligned D axis")
+    ok = out_kind or "f32"
+    k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok)
+    part_o = buffers("grouped.part_o", (rows if npieces > 1 else 1, hq, npieces, d), np.float32)
+    part_ml = buffers("grouped.part_ml", (rows if npieces > 1 else 1, hq, npieces, 2), np.float32)
+    i64 = np.int64
+    args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][1]),
+            i64(kv[1][2]), i64(vv[1][0]), i64(vv[1][1]), i64(vv[1][2]),
+            pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.int32(cfg.prefetch),
+            np.float32(scale), out, lse, part_o, part_ml)
+    _launch_dynamic(k, (nwin, npieces, hkv), k.threads, stream, cfg.smem_bytes, args)
+    if npieces > 1:
+        km = make_merge_kernel(int(d), ok, pc)
+        km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, out, lse)
+    return out, lse
+
+
+def words_view(a, align=16):
+    """``(uint32 1-D view over a's span, word strides of every axis but the last)`` when the last
+    axis is contiguous 16-bit data and the other strides and the base are ``align``-byte aligned;
+    else ``None``."""
+    try:
+        strides = tuple(int(s) for s in a.strides)
+        shape = tuple(int(s) for s in a.shape)
+    except (AttributeError, TypeError):
+        return None
+    if strides[-1] != 2 or any(s % align or s < 0 for s in strides[:-1]) or shape[-1] % (align // 2):
+        return None
+    span = sum((n - 1) * s for n, s in zip(shape[:-1], strides[:-1])) + 2 * shape[-1]
+    if span % 4:
+        return None
+    sw = np.array([s // 4 for s in strides[:-1]], np.int64)
+    if SIMULATOR:
+        host = getattr(a, "_ary", None)
+        if host is None or host.ctypes.data % align:
+            return None
+        flat = np.lib.stride_tricks.as_strided(host, shape=(span // 2,), strides=(2,))
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(flat.view(np.uint32)), sw
+    gpu_data = getattr(a, "gpu_data", None)
+    if gpu_data is None:
+        return None
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    if int(a.device_ctypes_pointer.value or 0) % align:
+        return None
+    return DeviceNDArray((span // 4,), (4,), np.dtype(np.uint32), gpu_data=gpu_data), sw
+
+
+def _resource_cases():
+    cases = [("grouped_window_plan", make_window_plan_kernel(256, PIECE, 8, 4),
+              "void(int32[:, :], int32[:, :, :], int32[:], int32[:], int32[:, :], int32[:, :, :, :], "
+              "int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
+    sig = ("void(uint32[:], int64, int64, uint32[:], uint32[:], int64, int64, int64, int64, int64, "
+           "int64, int32[:, :, :], "
+           "int32[:], int32[:], int32[:, :], int32[:, :, :, :], int32[:, :, :], int32[:, :], int32, "
+           "float32, float16[:, :, :], float32[:, :], float32[:, :, :, :], float32[:, :, :, :])")
+    for hg in (6, 12):
+        cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16")
+        cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
+    return cases
+
+
+RESOURCE_CASES = _resource_cases() if not SIMULATOR else []

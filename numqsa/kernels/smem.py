@@ -1,0 +1,255 @@
+"""Shared-memory data movement for tensor-core kernels: one source for the GPU and the simulator.
+
+Shared memory is addressed by 32-bit byte addresses in the shared window: ``shared_base(arr)`` is
+that of ``arr[0]`` (0 in the simulator, where an address is a byte offset into ``arr``), so index
+arithmetic stays 32-bit.
+
+- ``cp_async_16(dst, daddr, src, si, nbytes)``: copy 16 bytes ``src[si:si+4]`` (global, uint32
+  words) to shared address ``daddr`` (in the array ``dst``) asynchronously (``cp.async.cg``, sm_80+, bypasses L1);
+  ``nbytes`` 0 writes zeros and reads nothing. ``cp_async_commit()`` closes a group;
+  ``cp_async_wait(n)`` (``n`` a compile-time constant, see :func:`cp_async_wait_fn`) waits until at
+  most ``n`` groups are in flight. A ``syncthreads`` after the wait makes the data visible block-wide.
+- ``ldmatrix_x4(arr, addr, scratch, lane)`` / ``ldmatrix_x4_trans``: four 8x8 b16 matrices from
+  shared memory (``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``, sm_75+). Lane ``l`` gives
+  the address of row ``l % 8`` of matrix ``l // 8`` (16 contiguous bytes); lane ``4g + t``
+  receives word ``i`` = row ``g``, halves ``2t, 2t+1`` of matrix ``i`` (``.trans``: the transposed
+  matrix, i.e. the halves at column ``g`` of rows ``2t`` and ``2t + 1``).
+- ``movmatrix_trans(w, scratch, lane)``: the warp's 8x8 b16 matrix (lane ``4g + t`` holding row ``g``,
+  columns ``2t, 2t+1``) transposed in registers (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+).
+- ``shfl_xor_f32(x, mask, scratch, lane)``: ``x`` of lane ``lane ^ mask``.
+
+Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
+scratch row with the mma module's per-warp barrier, so (as for the mma stand-ins) all 32 lanes of a
+warp call them together and different warps may make different numbers of calls.
+"""
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, uint32
+from numba.cuda import cgutils, types
+from numba.cuda.extending import intrinsic
+
+from ..jit import SIMULATOR, device_jit
+from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
+
+__all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4", "ldmatrix_x4_trans",
+           "movmatrix_trans", "shfl_xor_f32"]
+
+# Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
+# either kind may alternate on one scratch row (see mma._sim_buffer).
+_NEED = SIM_SCRATCH_WORDS_M16N8K16
+
+
+def _ptr(context, builder, arrty, arr, idx, idxty):
+    ary = context.make_array(arrty)(context, builder, value=arr)
+    index = context.cast(builder, idx, idxty, types.intp)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+
+
+def _u32_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.uint32 and ty.ndim == 1
+
+
+@intrinsic
+def _gpu_cp_async_16(typingctx, dst, daddr, src, si, nbytes):
+    if not (_u32_array(dst) and _u32_array(src) and all(isinstance(t, types.Integer)
+                                                        for t in (daddr, si, nbytes))):
+        return None
+    sig = types.void(dst, daddr, src, si, nbytes)
+
+    def codegen(context, builder, sig, args):
+        d = context.cast(builder, args[1], sig.args[1], types.uint32)
+        ps = _ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i32, ps.type, i32])
+        asm = ir.InlineAsm(fnty, "{ .reg .u64 s; cvta.to.global.u64 s, $1; "
+                                 "cp.async.cg.shared.global [$0], [s], 16, $2; }",
+                           "r,l,r,~{memory}", side_effect=True)
+        builder.call(asm, [d, ps, n])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_shared_base(typingctx, arr):
+    if not _u32_array(arr):
+        return None
+    sig = types.uint32(arr)
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], context.get_constant(types.intp, 0),
+                 types.intp)
+        asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [p.type]),
+                           "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l")
+        return builder.call(asm, [p])
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_cp_async_commit(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;",
+                           "~{memory}", side_effect=True)
+        builder.call(asm, [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cp_async_wait(n):
+    text = f"cp.async.wait_group {int(n)};"
+
+    def typer(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return sig, codegen
+    typer.__name__ = f"cp_async_wait_{int(n)}"
+    return intrinsic(typer)
+
+
+def _make_ldmatrix(trans):
+    text = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
+            "{$0,$1,$2,$3}, [$4];")
+
+    def typer(typingctx, arr, addr, scratch, lane):
+        if not (_u32_array(arr) and isinstance(addr, types.Integer)):
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+        sig = ret(arr, addr, scratch, lane)
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            res = builder.call(ir.InlineAsm(fnty, text, "=r,=r,=r,=r,r", side_effect=True), [a])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, i) for i in range(4)])
+        return sig, codegen
+    typer.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
+    return intrinsic(typer)
+
+
+_gpu_ldmatrix_x4 = _make_ldmatrix(False)
+_gpu_ldmatrix_x4_trans = _make_ldmatrix(True)
+
+
+@intrinsic
+def _gpu_movmatrix_trans(typingctx, w, scratch, lane):
+    if not isinstance(w, types.Integer):
+        return None
+    sig = types.uint32(w, scratch, lane)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        i32 = ir.IntType(32)
+        asm = ir.InlineAsm(ir.FunctionType(i32, [i32]),
+                           "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+        return builder.call(asm, [v])
+    return sig, codegen
+
+
+def _gpu_shfl_xor_f32(x, mask, scratch, lane):
+    return cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Simulator stand-ins
+# ------------------------------------------------------------------------------------------------
+
+def _sim_cp_async_16(dst, daddr, src, si, nbytes):
+    di, si = int(daddr) // 4, int(si)
+    for x in range(4):
+        dst[di + x] = np.uint32(src[si + x]) if int(nbytes) else np.uint32(0)
+
+
+def _sim_cp_async_commit():
+    pass
+
+
+def _sim_cp_async_wait(n):
+    def wait():
+        pass
+    return wait
+
+
+def _sim_exchange(scratch, lane, words_of_lane):
+    """Write this lane's words, wait for the warp, return (all lanes' words [32, k])."""
+    buf, key = _sim_buffer(scratch, _NEED, check_block=False)
+    k = len(words_of_lane)
+    for x in range(k):
+        buf[k * lane + x] = np.uint32(words_of_lane[x])
+    _warp_sync(key)
+    return np.array(buf[:32 * k]).reshape(32, k)
+
+
+def _sim_shared_base(arr):
+    return np.uint32(0)
+
+
+def _sim_ldmatrix(arr, addr, scratch, lane, trans):
+    lane = int(lane)
+    rows = _sim_exchange(scratch, lane, [int(addr) // 4])[:, 0]     # row word index per lane
+    g, t = lane >> 2, lane & 3
+    out = []
+    for i in range(4):
+        if not trans:
+            out.append(np.uint32(arr[int(rows[8 * i + g]) + t]))
+        else:
+            lo = int(arr[int(rows[8 * i + 2 * t]) + (g >> 1)])
+            hi = int(arr[int(rows[8 * i + 2 * t + 1]) + (g >> 1)])
+            sh = 16 * (g & 1)
+            out.append(np.uint32(((lo >> sh) & 0xFFFF) | (((hi >> sh) & 0xFFFF) << 16)))
+    return tuple(out)
+
+
+def _sim_ldmatrix_x4(arr, idx, scratch, lane):
+    return _sim_ldmatrix(arr, idx, scratch, lane, False)
+
+
+def _sim_ldmatrix_x4_trans(arr, idx, scratch, lane):
+    return _sim_ldmatrix(arr, idx, scratch, lane, True)
+
+
+def _sim_movmatrix_trans(w, scratch, lane):
+    lane = int(lane)
+    words = _sim_exchange(scratch, lane, [int(w)])[:, 0]
+    g, t = lane >> 2, lane & 3
+    sh = 16 * (g & 1)
+    lo = (int(words[4 * (2 * t) + (g >> 1)]) >> sh) & 0xFFFF
+    hi = (int(words[4 * (2 * t + 1) + (g >> 1)]) >> sh) & 0xFFFF
+    return np.uint32(lo | (hi << 16))
+
+
+def _sim_shfl_xor_f32(x, mask, scratch, lane):
+    lane = int(lane)
+    words = _sim_exchange(scratch, lane, [np.float32(x).view(np.uint32)])[:, 0]
+    return np.uint32(words[lane ^ int(mask)]).view(np.float32)
+
+
+cp_async_16 = _pick(_sim_cp_async_16, _gpu_cp_async_16, "16-byte async global->shared copy.")
+shared_base = _pick(_sim_shared_base, _gpu_shared_base,
+                    "Shared-window byte address of a shared uint32 array (0 in the simulator).")
+cp_async_commit = _pick(_sim_cp_async_commit, _gpu_cp_async_commit, "Close a cp.async group.")
+ldmatrix_x4 = _pick(_sim_ldmatrix_x4, _gpu_ldmatrix_x4, "Four 8x8 b16 matrices from shared.")
+ldmatrix_x4_trans = _pick(_sim_ldmatrix_x4_trans, _gpu_ldmatrix_x4_trans,
+                          "Four transposed 8x8 b16 matrices from shared.")
+movmatrix_trans = _pick(_sim_movmatrix_trans, _gpu_movmatrix_trans, "8x8 b16 transpose in registers.")
+shfl_xor_f32 = (cuda.jit(device=True)(_sim_shfl_xor_f32) if SIMULATOR
+                else device_jit(_gpu_shfl_xor_f32, forceinline=True))
+
+
+@functools.lru_cache(maxsize=None)
+def cp_async_wait_fn(n):
+    """A device function waiting until at most ``n`` (a Python int) cp.async groups are pending."""
+    if SIMULATOR:
+        return cuda.jit(device=True)(_sim_cp_async_wait(n))
+    return _gpu_cp_async_wait(int(n))

@@ -1,0 +1,131 @@
+"""The grouped attention route (numqsa.kernels.grouped) against the float64 oracle, and its invariances.
+
+Simulator tier: the sm_90 route (NUMQSA_ARCH=sm_90) with the simulator's small launch shape (3 ring
+stages of 4 pages, pieces of 8 pages, windows of 2 rows), so the ring, multi-piece merges and solo
+rows are all exercised on tiny problems. GPU tier: the shipped shape at every head geometry.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+import numqsa
+import oracle
+from numqsa.jit import SIMULATOR
+from numqsa.kernels import grouped
+from test_attention_kernels import check, run_attention, selection, small_problem
+
+
+@pytest.fixture(autouse=True)
+def sm90(monkeypatch):
+    monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
+
+
+def _calls(monkeypatch):
+    seen = []
+    orig = grouped.launch_grouped
+
+    def spy(*a, **k):
+        seen.append(1)
+        return orig(*a, **k)
+    monkeypatch.setattr(numqsa.attention._grouped, "launch_grouped", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name,seq_lens,rows,page_size,hq,hkv,kb,mode", [
+    ("pieces and solo rows", [300], [5], 16, 6, 1, 20, "random"),
+    ("two requests per window", [260, 150], [3, 2], 64, 6, 1, 18, "overlap"),
+    ("12 heads per KV head", [90], [3], 16, 12, 1, 6, "overlap"),
+    ("24/2 heads, 784-token pages", [45], [3], 784, 24, 2, 4, "overlap"),
+    ("3 heads, shared", [61], [4], 16, 3, 1, 5, "shared"),
+])
+def test_grouped_matches_oracle(rng, monkeypatch, name, seq_lens, rows, page_size, hq, hkv, kb, mode):
+    seen = _calls(monkeypatch)
+    p = small_problem(rng, seq_lens, rows, page_size=page_size, Hq=hq, Hkv=hkv)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=kb, mode=mode)
+    out, lse = run_attention(p, tokens, counts, "page4")
+    check(p, tokens, counts, out, lse)
+    assert seen, "the grouped kernel did not run"
+
+
+def test_grouped_inert_stale_rows(rng, monkeypatch):
+    seen = _calls(monkeypatch)
+    p = small_problem(rng, [37, 9], None, positions=[36, 50, 2, -3, 35, 8], req_ids=[0, 0, 3, 0, 0, 1],
+                      Hq=3)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=5, mode="shared")
+    out, lse = run_attention(p, tokens, counts, "page4")
+    check(p, tokens, counts, out, lse)
+    assert seen
+
+
+def test_window_plan_marks_solo_rows_and_pieces(rng):
+    """Random (low-overlap) selections spread chunks over more stages than the ring keeps: such rows
+    are solo; rows of more than one piece are merged. The union holds each group once."""
+    p = small_problem(rng, [300], [4], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=20, mode="random")
+    pages, nv, tl = oracle.page4_plan(tokens, counts, p["block_table"], p["req_ids"], p["seq_lens"],
+                                      page_size=16, num_pages=p["k_cache"].shape[0])
+    cfg = grouped.grouped_config(32, 6, 4, pages.shape[1], 1, None)
+    g, pc = cfg.rows_per_window, cfg.piece
+    npieces = grouped.pieces_of(pages.shape[1], pc)
+    nwin = -(-4 // g)
+    first = np.arange(0, 4, g, dtype=np.int32)
+    windows = np.stack([first, np.minimum(g, 4 - first)], 1).astype(np.int32)
+    wunion = np.full((nwin, npieces, g * 2 * pc, 2), -1, np.int32)
+    wmeta = np.zeros((nwin, npieces, 2), np.int32)
+    ownu = np.full((4, pages.shape[1]), -1, np.int32)
+    k = grouped.make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in (tokens, pages, nv.astype(np.int32),
+                                                          p["req_ids"], windows, wunion, wmeta, ownu)]
+    k[(nwin, npieces), cfg.plan_threads](*d)
+    wunion, wmeta, ownu = (x.copy_to_host() for x in d[5:])
+    assert int(nv.max()) >= 2 * pc                     # merged pieces occur
+    assert np.any(wmeta[:, :, 1] != 0)                 # solo rows occur
+    for w in range(nwin):
+        for piece in range(npieces):
+            n = wmeta[w, piece, 0]
+            keys = set()
+            for i in range(windows[w, 0], windows[w, 0] + windows[w, 1]):
+                npc = max(1, nv[i] // pc)
+                if piece >= npc:
+                    continue
+                k0, k1 = piece * pc, (nv[i] if piece == npc - 1 else piece * pc + pc)
+                u = ownu[i, k0:k1]
+                assert np.all(np.diff(u) > 0) and u.max() < n
+                np.testing.assert_array_equal(wunion[w, piece, u], pages[i, k0:k1])
+                keys |= set((tokens[i, 4 * np.arange(k0, k1)] // 4).tolist())
+            assert n == len(keys)
+
+
+def test_grouped_row_invariance(rng):
+    """A row's bits do not depend on the other rows of its window or batch."""
+    p = small_problem(rng, [200], [6], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=12, mode="overlap")
+    out, lse = run_attention(p, tokens, counts, "page4")
+    for sub in ([3], [2, 3], [5, 3, 0]):
+        q = dict(p, q=p["q"][sub], req_ids=p["req_ids"][sub], positions=p["positions"][sub])
+        o2, l2 = run_attention(q, tokens[sub], counts[sub], "page4")
+        np.testing.assert_array_equal(o2, out[sub])
+        np.testing.assert_array_equal(l2, lse[sub])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(3, 1), (6, 1), (12, 1), (24, 2)])
+def test_gpu_grouped_geometries(hq, hkv, seed):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import bench_attention as BA
+    BA.HQ, BA.HKV = hq, hkv
+    try:
+        w = BA.make_workload(1024, 32768, seed=seed)
+    finally:
+        BA.HQ, BA.HKV = 6, 1
+    pr = w["problem"]
+    out, lse = run_attention(pr, w["tokens"], w["counts"], "page4")
+    idx = np.r_[0, 1, 511, 1023]
+    eo, el = oracle.sparse_attention(pr["q"][idx], pr["k_cache"], pr["v_cache"], pr["block_table"],
+                                     w["tokens"][idx], w["counts"][idx], pr["req_ids"][idx],
+                                     pr["seq_lens"])
+    from numqsa.testing import assert_matches_oracle
+    assert_matches_oracle(out[idx], eo, dtype="float16", what="out")
+    assert_matches_oracle(lse[idx], el, dtype="float16", what="lse")
