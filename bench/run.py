@@ -129,6 +129,8 @@ def line(r):
         note = "check ok (no timing in the smoke run)"
     elif r.get("route"):
         note = f"route {r['route']}"
+    if r["stage"] == "host":
+        note = r["impl"] + ("  " + note if note else "")
     vs = r.get("vs_fastest_peer")
     return (f"{r['case'][:24]:24s} {r['stage']:9s} {r['impl'][:16]:16s} "
             f"{fmt(r['ms_gpu'], '.3f', 9)} {fmt(r['ms_e2e'], '.3f', 9)} {fmt(r.get('tflops'), '.1f', 8)} "
@@ -318,6 +320,7 @@ def main(argv=None):
                 rec = record(case, "host", name)
                 try:
                     rec["ms_e2e"], rec["syncs"] = timer.host(fn)
+                    rec["ms_host_busy"] = timer.last_busy_ms
                     rec["ok"] = True
                 except Exception as err:
                     rec["error"] = short(err)

@@ -89,6 +89,7 @@ class Timer:
             times.append((time.perf_counter() - t0) * 1e3)
             t.cuda.synchronize()
         ms = float(np.median(times))
+        self.last_busy_ms = ms
         if ms < 0.5 * spin_ms:
             return ms, False
         times = []

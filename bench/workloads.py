@@ -53,6 +53,9 @@ class Case:
 
 
 def _k(n):
+    """Case-name context: 32768 -> "32K", 131072 -> "131K" (the issue's names)."""
+    if n == 131072:
+        return "131K"
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 

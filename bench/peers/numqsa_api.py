@@ -154,7 +154,8 @@ def prepare(stage, p, route=None):
         out = (_empty(prob, (c.rows, W), "int32"), _empty(prob, (c.rows,), "int32"),
                _empty(prob, (c.rows, kb), "int32"))
         chunk = numqsa.selection.select_chunk_rows(c.rows, G)
-        ws = _empty(prob, (chunk * max(G, 1),), "float32")
+        # a numba view: select() reads ``workspace.size`` as an attribute (a method on torch tensors)
+        ws = _nb(_empty(prob, (chunk * max(G, 1),), "float32"))
         box = {}
 
         def gpu():
