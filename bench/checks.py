@@ -35,6 +35,20 @@ class Checker:
                 p.lens_np, r=p.case.r, num_groups=p.G)
         return self._scores
 
+    def selection_overlap(self, n=8):
+        """Mean adjacent-row overlap of the oracle's top-Kb groups on the last ``n`` rows."""
+        p = self.p
+        if "_sel_ov" not in self.__dict__:
+            i = np.arange(max(0, p.case.rows - n), p.case.rows)
+            s = oracle.index_scores(p.host("qi")[i], p.host("index_cache"), p.table_np, p.req_np[i],
+                                    p.pos_np[i], p.lens_np, r=p.case.r, num_groups=p.G)
+            g = oracle.topk_groups(s, p.req_np[i], p.pos_np[i], p.lens_np, Kb=p.case.Kb,
+                                   r=p.case.r)
+            same = [np.intersect1d(g[k][g[k] >= 0], g[k - 1][g[k - 1] >= 0]).size / p.case.Kb
+                    for k in range(1, i.size) if p.req_np[i[k]] == p.req_np[i[k - 1]]]
+            self._sel_ov = float(np.mean(same)) if same else None
+        return self._sel_ov
+
     def canonical(self, tokens=None, groups=None):
         """``(groups, tokens, counts)`` of the sampled rows in numqsa's canonical form."""
         p, i, r = self.p, self.rows, self.p.case.r

@@ -3,6 +3,8 @@ per implementation, for the selection chain, the attention and the whole prefill
 device, dtype, geometry and revision."""
 import os
 
+from .workloads import _k
+
 
 def plots(doc, folder):
     try:
@@ -31,7 +33,7 @@ def plots(doc, folder):
                 pts.sort()
                 ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=impl)
             ax.set(xscale="log", yscale="log", xlabel="query rows (one request, rows at the end)",
-                   ylabel="GPU ms (median, L2 flushed)", title=f"{ctx // 1024}K context")
+                   ylabel="GPU ms (median, L2 flushed)", title=f"{_k(ctx)} context ({ctx} tokens)")
             ax.grid(True, which="both", alpha=0.3)
             if by:
                 ax.legend(fontsize=8)

@@ -77,10 +77,22 @@ class Timer:
             times.append((time.perf_counter() - t0) * 1e3)
         return float(np.median(times))
 
-    def host(self, fn, reps=50, spin_ms=5.0):
+    def host(self, fn, reps=50):
+        """``(ms, syncs)``: host time of one call with the GPU busy behind a spin four times the
+        call's idle host time (at least 5 ms); a median above idle + half the spin means the call
+        waited for the GPU (``syncs``), and then the idle time is returned."""
         t = self.t
         fn()
         t.cuda.synchronize()
+        idle = []
+        for _ in range(10):
+            t.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            idle.append((time.perf_counter() - t0) * 1e3)
+        t.cuda.synchronize()
+        idle_ms = float(np.median(idle))
+        spin_ms = max(5.0, 4 * idle_ms)
         times = []
         for _ in range(reps):
             self.spin(spin_ms)
@@ -90,13 +102,6 @@ class Timer:
             t.cuda.synchronize()
         ms = float(np.median(times))
         self.last_busy_ms = ms
-        if ms < 0.5 * spin_ms:
+        if ms < idle_ms + 0.5 * spin_ms:
             return ms, False
-        times = []
-        for _ in range(reps):
-            t.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        t.cuda.synchronize()
-        return float(np.median(times)), True
+        return idle_ms, True
