@@ -1,4 +1,7 @@
-"""Sparse attention benchmark (issue 4): generic vs page-4 grouped route on the shipped shape.
+"""Sparse attention kernel-tuning sweeps (issue 4): generic vs page-4 grouped route.
+
+The benchmark against the peers is ``bench/run.py``; this script stays for the page-4 tuning
+table (``--sweep``) and the route crossover.
 
 Workload: one request, rows at the last positions of a T-token context, Hq 6 / Hkv 1 / D 256,
 float16, page size 64 in random physical order; each row selects Kb = 512 groups (2048 tokens) plus

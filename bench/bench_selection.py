@@ -1,4 +1,7 @@
-"""Selection benchmark: index scores (tiled / light), top-k, expansion and the fused chain.
+"""Selection kernel-tuning sweeps: index scores (tiled / light), top-k, expansion and the chain.
+
+The benchmark against the peers is ``bench/run.py``; this script stays for kernel variants
+(``--variants``) and route crossovers.
 
 One request, query rows at the last positions of a T-token context, page size 64 in random physical
 order, Hi 4, Di 128, r 4, Kb 512, float16. Times are medians of CUDA-event timings over reps after a

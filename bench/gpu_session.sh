@@ -31,7 +31,7 @@ if command -v compute-sanitizer >/dev/null; then
     step "compute-sanitizer memcheck" sanitizer.log 75 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_cases.py
 fi
 if [ $BENCH = 1 ]; then
-    step "bench (bench/run.py)" bench.log 110 python3 bench/run.py --json "$OUT/bench.json" --plots "$OUT"
+    step "bench (bench/run.py)" bench.log 420 python3 bench/run.py --out "$OUT"
 fi
 echo; printf '%s\n' "${summary[@]}" | tee "$LOG/summary.txt"
 cp "$LOG/summary.txt" "$OUT/"
