@@ -1,7 +1,7 @@
-"""Sparse attention kernel-tuning sweeps (issue 4): generic vs page-4 grouped route.
+"""Sparse attention, generic vs page-4 route, and the workload generator of the attention benchmarks.
 
-The benchmark against the peers is ``bench/run.py``; this script stays for the page-4 tuning
-table (``--sweep``) and the route crossover.
+The benchmark against the peers is ``bench/run.py``; launch-shape tuning of the grouped kernel is
+``bench/attention_probe.py --tune``.
 
 Workload: one request, rows at the last positions of a T-token context, Hq 6 / Hkv 1 / D 256,
 float16, page size 64 in random physical order; each row selects Kb = 512 groups (2048 tokens) plus
@@ -195,12 +195,7 @@ def main(argv=None):
     ap.add_argument("--overlap", type=float, default=0.82)
     ap.add_argument("--quick", action="store_true", help="only 4096 x 32K")
     ap.add_argument("--only", help="run the cases whose name contains this (e.g. _p784)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="page-4 tuning: (rows per block, staged pages) of the token-major kernel, "
-                         "the previous kernel, and the generic/page4 crossover in rows")
     args = ap.parse_args(argv)
-    if args.sweep:
-        return sweep(args)
     from numqsa.attention import route as plan_route
     t_start = time.time()
     gr = plan_route(4096, 64).profile.attention.group_rows
@@ -243,44 +238,6 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, overlap=args.overlap, group_rows=gr, cases=rows_out), f,
                       indent=1)
-
-
-def sweep(args):
-    """Tuning table: token-major kernel configs (NUMQSA_PAGE4_G / _C), the previous grouped kernel
-    (NUMQSA_PAGE4_TC=0) and the route crossover at small row counts."""
-    t_start = time.time()
-    print(f"# {environment()}")
-    w = make_workload(4096, 32768, page_size=64, kb=512, overlap=args.overlap, seed=4096 + 32768 + 512)
-    ref = None
-    print(f"{'config':34s} {'ms':>8s} {'TFLOP/s':>8s} {'rel L2 vs first':>15s}")
-    configs = [("tc G8 C32", dict(NUMQSA_PAGE4_G="8", NUMQSA_PAGE4_C="32")),
-               ("tc G6 C24", dict(NUMQSA_PAGE4_G="6", NUMQSA_PAGE4_C="24")),
-               ("tc G4 C13", dict(NUMQSA_PAGE4_G="4", NUMQSA_PAGE4_C="13")),
-               ("tc G4 C16", dict(NUMQSA_PAGE4_G="4", NUMQSA_PAGE4_C="16")),
-               ("tc G1 C4 (no sharing)", dict(NUMQSA_PAGE4_G="1", NUMQSA_PAGE4_C="4")),
-               ("tc G8 C32 element loads", dict(NUMQSA_PAGE4_G="8", NUMQSA_PAGE4_C="32",
-                                                NUMQSA_PAGE4_VEC="0")),
-               ("previous kernel (TC=0)", dict(NUMQSA_PAGE4_TC="0"))]
-    keys = ("NUMQSA_PAGE4_G", "NUMQSA_PAGE4_C", "NUMQSA_PAGE4_VEC", "NUMQSA_PAGE4_TC")
-    for name, env in configs:
-        for k in keys:
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        r = bench_case("4096x32K", w, "page4", args.iters, 8)
-        res = r.pop("result").astype(np.float32)
-        if ref is None:
-            ref = res
-        rel = float(np.linalg.norm(res - ref) / np.linalg.norm(ref))
-        print(f"{name:34s} {r['time_ms']:8.3f} {r['tflops']:8.1f} {rel:15.2e}")
-    for k in keys:
-        os.environ.pop(k, None)
-    print(f"{'crossover rows x 32K':34s} {'generic':>8s} {'page4':>8s}")
-    for rows in (16, 64, 256, 1024):
-        wr = make_workload(rows, 32768, page_size=64, kb=512, overlap=args.overlap, seed=rows)
-        tg = bench_case("x", wr, "generic", args.iters, 8)["time_ms"]
-        tp = bench_case("x", wr, "page4", args.iters, 8)["time_ms"]
-        print(f"{rows:<34d} {tg:8.3f} {tp:8.3f}")
-    print(f"# sweep {time.time() - t_start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -189,5 +189,10 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     out_buf, lse_buf = (None, None) if out is None else out
     o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
     lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
-    _page4.launch_page4(qd_, kc, vc, pg, nv, tl, rid, scale, o, lse, prof, stream, r)
+    if _grouped_ok(prof, qd_, kc, vc):
+        _grouped.launch_grouped(qd_, kc, vc, pg, nv, tl, None, rid, scale, o, lse, prof, stream,
+                                lambda n, shape, dt: dev.empty(shape, dt, stream), "f16",
+                                "f16" if od == "float16" else "f32")
+    else:
+        _page4.launch_page4(qd_, kc, vc, pg, nv, tl, rid, scale, o, lse, prof, stream, r)
     return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))

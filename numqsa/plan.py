@@ -45,12 +45,7 @@ class AttentionProfile:
                                # 16 warps x ~160 registers do not fit an SM (resource report)
     threads: int = 128
     page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in bench/NOTES.md
-    tc_group_rows: int = 6     # rows per block of the token-major page-4 kernel (sm_80+), with
-                               # C = 4G = 24 staged pages (104 KB dynamic smem, 2 blocks/SM). H200,
-                               # 4096 x 32K, 2051 sel (ms), run A: G8/C32 5.80, G6/C19 5.88, G4/C13
-                               # 6.29, G8/C25 6.68, G4/C16 7.79, G2/C16 11.5, previous kernel 15.2;
-                               # run B (4-deep K loads): G6/C24 5.19, G8/C32 6.50, G4/C16 6.97,
-                               # G4/C13 7.42, G1/C4 10.5, previous kernel 16.0
+
 
 
 @dataclass(frozen=True)

@@ -216,14 +216,24 @@ def test_page4_layouts_heads(rng, arch, layout, page_size, hq, hkv):
     check(p, tokens, counts, out, lse)
 
 
-def test_page4_element_loads(rng, monkeypatch):
-    """The token-major kernel's element-load fallback (caches whose rows are not 16-byte loads)."""
+def test_page4_unaligned_cache(rng, monkeypatch):
+    """A cache whose rows are not 16-byte aligned cannot be copied with cp.async: on sm_90 the page-4
+    route then runs the element-load grouped kernel, with the same result."""
     monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
-    monkeypatch.setenv("NUMQSA_PAGE4_VEC", "0")
-    p = small_problem(rng, [45], [4], page_size=16, layout="interleaved")
+    p = small_problem(rng, [45], [4], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=5, mode="overlap")
-    out, lse = run_attention(p, tokens, counts, "page4", layout="interleaved", device=True)
-    check(p, tokens, counts, out, lse)
+    pad = [np.concatenate([np.zeros(x.shape[:-1] + (1,), x.dtype), x], -1)
+           for x in (p["k_cache"], p["v_cache"])]
+    k, v = (cuda.to_device(x)[..., 1:] for x in pad)
+    assert numqsa.kernels.grouped.words_view(k) is None
+    rows, hq, d = p["q"].shape
+    out = poison(cuda.device_array((rows, hq, d), np.float16))
+    lse = poison(cuda.device_array((rows, hq), np.float32))
+    numqsa.sparse_attention(cuda.to_device(p["q"]), k, v, *[cuda.to_device(np.asarray(p[n])) for n in
+                            ("block_table",)], cuda.to_device(tokens), cuda.to_device(counts),
+                            cuda.to_device(p["req_ids"]), cuda.to_device(p["seq_lens"]),
+                            route_name="page4", out=(out, lse))
+    check(p, tokens, counts, out.copy_to_host(), lse.copy_to_host())
 
 
 def test_page4_inert_stale_rows_and_bad_pages(rng, arch):

@@ -10,7 +10,6 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa.jit import SIMULATOR
 from numqsa.kernels import grouped
 from test_attention_kernels import check, run_attention, selection, small_problem
 
@@ -71,13 +70,16 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
     first = np.arange(0, 4, g, dtype=np.int32)
     windows = np.stack([first, np.minimum(g, 4 - first)], 1).astype(np.int32)
     wunion = np.full((nwin, npieces, g * 2 * pc, 2), -1, np.int32)
-    wmeta = np.zeros((nwin, npieces, 2), np.int32)
+    wmeta = np.zeros((nwin, npieces, 3), np.int32)
     ownu = np.full((4, pages.shape[1]), -1, np.int32)
     k = grouped.make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in (tokens, pages, nv.astype(np.int32),
-                                                          p["req_ids"], windows, wunion, wmeta, ownu)]
-    k[(nwin, npieces), cfg.plan_threads](*d)
-    wunion, wmeta, ownu = (x.copy_to_host() for x in d[5:])
+                                                          tl.astype(np.int32), p["req_ids"], windows,
+                                                          wunion, wmeta, ownu)]
+    k[(nwin, npieces), cfg.plan_threads](d[0], np.int32(1), *d[1:6], np.int32(p["k_cache"].shape[0]),
+                                         np.int32(16), *d[6:])
+    wunion, wmeta, ownu = (x.copy_to_host() for x in d[6:])
+    assert not np.any(wmeta[:, :, 2])                  # no malformed rows
     assert int(nv.max()) >= 2 * pc                     # merged pieces occur
     assert np.any(wmeta[:, :, 1] != 0)                 # solo rows occur
     for w in range(nwin):

@@ -78,18 +78,19 @@ class GroupedConfig:
 TUNING = {}
 
 
-def grouped_config(d, hg, rows, kb1, hkv, profile):
+def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     """Choose window size and prefetch depth: windows of ``MAX_WARPS // HT`` rows share their loads;
-    few rows get narrower windows (more blocks) down to single rows that prefetch deeper."""
+    few rows get narrower windows (more blocks) down to single rows that prefetch deeper.
+    ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
     if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        return GroupedConfig(d, hg, 3, 4, 1, max(1, 2 // ht), 32, piece=8)
+        return GroupedConfig(d, hg, 3, 4, 1, 1 if single else max(1, 2 // ht), 32, piece=8)
     pieces = pieces_of(kb1, PIECE)
     g = max(1, MAX_WARPS // ht)
     sms = int(profile.sm_count)
     while g > 1 and -(-rows // g) * pieces * hkv < sms:
         g //= 2
-    g = TUNING.get("g", g)
+    g = 1 if single else TUNING.get("g", g)
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
     prefetch = TUNING.get("nf", stages - 1 if g == 1 else 2)
     return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), prefetch, g, 256,
@@ -113,12 +114,21 @@ def _piece_range(nv, piece, pc):
     return k0, k1
 
 
+@device_jit(forceinline=True)
+def _key(tokens, keyed, row, k):
+    """Logical group of own page ``k`` (its first token // 4), or ``k`` itself for unkeyed plans
+    (one-row windows over a bare page-4 plan, whose union is the row's own pages in order)."""
+    if keyed == int32(0):
+        return k
+    return int32(tokens[row, 4 * k]) >> int32(2)
+
+
 @functools.lru_cache(maxsize=None)
 def make_window_plan_kernel(threads, piece, stage_pages, keep):
     """Grid ``(windows, pieces)``, ``threads`` threads; static shared memory ~8.2 KB.
 
     Outputs per (window, piece): ``wunion[w, p, u] = (page, slot)`` of union entry ``u``,
-    ``wmeta[w, p] = (union size, solo-row bit mask)``; per row ``ownu[row, k]`` = union index of
+    ``wmeta[w, p] = (union size, solo-row bit mask, malformed-row bit mask)``; per row ``ownu[row, k]`` = union index of
     own page ``k`` (within its piece's union). Rows are cut into runs of equal ``req_ids`` (keys of
     different requests never merge); within a run the union is ordered by logical group.
     """
@@ -128,11 +138,13 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
     NBITS = 32 * NBW
     UNT = uint32(NT)
 
-    def kernel(tokens, pages, num_vpages, req_ids, windows, wunion, wmeta, ownu):
+    def kernel(tokens, keyed, pages, num_vpages, tail_len, req_ids, windows, num_pages, page_size,
+               wunion, wmeta, ownu):
         bits = cuda.shared.array(NBW, uint32)
         pref = cuda.shared.array(NBW, int32)
         scan = cuda.shared.array(NT, int32)
-        ssolo = cuda.shared.array(1, uint32)
+        ssolo = cuda.shared.array(2, uint32)
+        snv = cuda.shared.array(32, int32)
         tid = uint32(cuda.threadIdx.x)
         win = uint32(cuda.blockIdx.x)
         piece_ = int32(cuda.blockIdx.y)
@@ -140,6 +152,36 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
         cnt = int32(windows[win, 1])
         if tid == uint32(0):
             ssolo[0] = uint32(0)
+            ssolo[1] = uint32(0)
+        cuda.syncthreads()
+        # A row whose plan names a page or slot outside the cache (or is not ascending) is inert in
+        # every piece: each block checks the whole row.
+        for x in range(cnt):
+            row = first + x
+            nv = int32(num_vpages[row])
+            tl = int32(tail_len[row])
+            if tl < int32(0) or tl > int32(3) or nv > int32(pages.shape[1]):
+                if tid == uint32(0):
+                    cuda.atomic.or_(ssolo, 1, uint32(1) << uint32(x))
+                continue
+            for k in range(int32(tid), nv, int32(NT)):
+                pg = int32(pages[row, k, 0])
+                sl = int32(pages[row, k, 1])
+                ln = int32(4)
+                if k == nv - int32(1) and tl > int32(0):
+                    ln = tl
+                bad = pg < int32(0) or pg >= num_pages or sl < int32(0) or sl + ln > page_size
+                if k > int32(0):
+                    bad = bad or _key(tokens, keyed, row, k) <= _key(tokens, keyed, row, k - int32(1))
+                if bad:
+                    cuda.atomic.or_(ssolo, 1, uint32(1) << uint32(x))
+        cuda.syncthreads()
+        if tid < uint32(cnt):
+            nv = int32(num_vpages[first + int32(tid)])
+            if (ssolo[1] >> tid) & uint32(1):
+                nv = int32(0)
+            snv[tid] = nv
+        cuda.syncthreads()
         offset = int32(0)
         w = int32(0)
         while w < cnt:
@@ -150,10 +192,10 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
             kmax = int32(-1)
             for x in range(w, we):
                 row = first + x
-                k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                k0, k1 = _piece_range(snv[x], piece_, PC)
                 if k1 > k0:
-                    kmin = min(kmin, int32(tokens[row, 4 * k0]) >> int32(2))
-                    kmax = max(kmax, int32(tokens[row, 4 * (k1 - int32(1))]) >> int32(2))
+                    kmin = min(kmin, _key(tokens, keyed, row, k0))
+                    kmax = max(kmax, _key(tokens, keyed, row, k1 - int32(1)))
             base = kmin
             while base <= kmax:
                 for i in range(tid, uint32(NBW), UNT):
@@ -161,9 +203,9 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
                 cuda.syncthreads()
                 for x in range(w, we):
                     row = first + x
-                    k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                    k0, k1 = _piece_range(snv[x], piece_, PC)
                     for k in range(k0 + int32(tid), k1, int32(NT)):
-                        key = (int32(tokens[row, 4 * k]) >> int32(2)) - base
+                        key = _key(tokens, keyed, row, k) - base
                         if key >= int32(0) and key < int32(NBITS):
                             cuda.atomic.or_(bits, key >> int32(5), uint32(1) << uint32(key & int32(31)))
                 cuda.syncthreads()
@@ -190,9 +232,9 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
                 cuda.syncthreads()
                 for x in range(w, we):
                     row = first + x
-                    k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+                    k0, k1 = _piece_range(snv[x], piece_, PC)
                     for k in range(k0 + int32(tid), k1, int32(NT)):
-                        key = (int32(tokens[row, 4 * k]) >> int32(2)) - base
+                        key = _key(tokens, keyed, row, k) - base
                         if key >= int32(0) and key < int32(NBITS):
                             wd = key >> int32(5)
                             below = bits[wd] & ((uint32(1) << uint32(key & int32(31))) - uint32(1))
@@ -209,7 +251,7 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
         # page must still be in one of the KEEP readable stages, else the row runs solo.
         for x in range(cnt):
             row = first + x
-            k0, k1 = _piece_range(int32(num_vpages[row]), piece_, PC)
+            k0, k1 = _piece_range(snv[x], piece_, PC)
             nch = (k1 - k0 + int32(3)) >> int32(2)
             for c in range(int32(tid), nch, int32(NT)):
                 ka = k0 + int32(4) * c
@@ -220,6 +262,7 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
         if tid == uint32(0):
             wmeta[win, piece_, 0] = offset
             wmeta[win, piece_, 1] = int32(ssolo[0])
+            wmeta[win, piece_, 2] = int32(ssolo[1])
 
     kernel.__name__ = f"grouped_window_plan_t{NT}_p{PC}_s{SP}_k{KEEP}"
     kernel.__qualname__ = kernel.__name__
@@ -483,6 +526,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if live:
             nv = int32(num_vpages[row])
             tl = int32(tail_len[row])
+            if (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
+                nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
         npc = max(int32(1), nv // int32(PC))
         writer = live and piece_ < npc
         kstart, kend = _piece_range(nv, piece_, PC)
@@ -673,16 +718,17 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
                    lse, profile, stream, buffers, dtype="f16", out_kind=None):
     """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
     ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
+    ``tokens`` (the selection the plan came from) orders the windows' unions by logical group;
+    without it every row is its own window (same arithmetic, no shared loads).
     K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`)."""
     from .. import device as dev
-    from .page4 import _launch_dynamic
     rows, hq, d = q.shape
     hkv = int(k_cache.shape[2])
     if rows == 0:
         return out, lse
     hg = hq // hkv
     kb1 = int(pages.shape[1])
-    cfg = grouped_config(d, hg, rows, kb1, hkv, profile)
+    cfg = grouped_config(d, hg, rows, kb1, hkv, profile, single=tokens is None)
     pc = cfg.piece
     npieces = pieces_of(kb1, pc)
     g = cfg.rows_per_window
@@ -691,11 +737,15 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     windows = dev.constant(np.stack([first, np.minimum(g, rows - first)], 1).astype(np.int32), stream)
     cap = g * min(kb1, 2 * pc)
     wunion = buffers("grouped.wunion", (nwin, npieces, cap, 2), np.int32)
-    wmeta = buffers("grouped.wmeta", (nwin, npieces, 2), np.int32)
+    wmeta = buffers("grouped.wmeta", (nwin, npieces, 3), np.int32)
     ownu = buffers("grouped.ownu", (rows, kb1), np.int32)
     kp = make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
-    kp[(nwin, npieces), cfg.plan_threads, stream](tokens, pages, num_vpages, req_ids, windows,
-                                                  wunion, wmeta, ownu)
+    keyed = np.int32(tokens is not None)
+    if tokens is None:
+        tokens = dev.constant(np.zeros((1, 1), np.int32), stream)
+    kp[(nwin, npieces), cfg.plan_threads, stream](tokens, keyed, pages, num_vpages, tail_len, req_ids,
+                                                  windows, np.int32(k_cache.shape[0]),
+                                                  np.int32(k_cache.shape[1]), wunion, wmeta, ownu)
     kv, vv = words_view(k_cache), words_view(v_cache)
     qv = words_view(q, align=4)
     if kv is None or vv is None or qv is None:
@@ -714,6 +764,31 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
         km = make_merge_kernel(int(d), ok, pc)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, out, lse)
     return out, lse
+
+
+_DYN_OPTED = {}
+
+
+def _launch_dynamic(k, grid, threads, stream, smem, args):
+    """Launch with ``smem`` bytes of dynamic shared memory, opting in above 48 KB (sm_80+).
+
+    numba-cuda has no API for CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES; a pre-launch
+    callback sets it on the compiled kernel's handle once (the same driver call numba uses for the
+    carveout attribute).
+    """
+    cfg = k[grid, threads, stream, smem]
+    if not SIMULATOR and smem > 48 * 1024:
+        def opt_in(kernel, launch_config):
+            key = id(kernel)
+            if _DYN_OPTED.get(key, 0) >= smem:
+                return
+            from numba.cuda.cudadrv.driver import binding, driver
+            cufunc = kernel._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, int(smem), cufunc.handle, cufunc.device.id)
+            _DYN_OPTED[key] = smem
+        cfg.pre_launch_callbacks.append(opt_in)
+    cfg(*args)
 
 
 def words_view(a, align=16):
@@ -749,8 +824,8 @@ def words_view(a, align=16):
 
 def _resource_cases():
     cases = [("grouped_window_plan", make_window_plan_kernel(256, PIECE, 8, 4),
-              "void(int32[:, :], int32[:, :, :], int32[:], int32[:], int32[:, :], int32[:, :, :, :], "
-              "int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
+              "void(int32[:, :], int32, int32[:, :, :], int32[:], int32[:], int32[:], int32[:, :], int32, "
+              "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
     sig = ("void(uint32[:], int64, int64, uint32[:], uint32[:], int64, int64, int64, int64, int64, "
            "int64, int32[:, :, :], "
            "int32[:], int32[:], int32[:, :], int32[:, :, :, :], int32[:, :, :], int32[:, :], int32, "

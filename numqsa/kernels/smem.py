@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 from llvmlite import ir
-from numba import cuda, uint32
+from numba import cuda
 from numba.cuda import cgutils, types
 from numba.cuda.extending import intrinsic
 
