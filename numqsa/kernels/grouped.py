@@ -48,6 +48,7 @@ MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window 
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
 NEG_INF = float32(-math.inf)
+NAN = float32(math.nan)
 
 
 class GroupedConfig:
@@ -622,6 +623,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         lv = NEG_INF
                         if li > F0 or li != li:
                             lv = mi + math.log(li)
+                        elif nv > int32(0):
+                            lv = NAN           # every score -inf: 0 / 0, as the math says
                         lse[row, h0 + hh] = lv
                     else:
                         part_ml[row, h0 + hh, piece_, 0] = mi
@@ -638,6 +641,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                             o = F0
                             if li > F0 or li != li:
                                 o = oacc[4 * mt + i] / li
+                            elif nv > int32(0):
+                                o = NAN
                             out[row, h0 + hh, dd] = conv(o)
                         else:
                             part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
@@ -689,15 +694,13 @@ def make_merge_kernel(d, out_kind, piece):
                 w = math.exp(m - mx)
             lsum += part_ml[row, h, p, 1] * w
             acc += part_o[row, h, p, dd] * w
-        o = F0
+        o = NAN                        # rows here have tokens: no positive weight is 0 / 0
+        lv = NAN
         if lsum > F0 or lsum != lsum:
             o = acc / lsum
-        if dd < uint32(D):
-            out[row, h, dd] = conv(o)
+            lv = mx + math.log(lsum)
+        out[row, h, dd] = conv(o)
         if dd == uint32(0):
-            lv = NEG_INF
-            if lsum > F0 or lsum != lsum:
-                lv = mx + math.log(lsum)
             lse[row, h] = lv
 
     kernel.__name__ = f"grouped_merge_d{D}_{out_kind}"
