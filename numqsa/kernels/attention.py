@@ -59,6 +59,7 @@ def make_attention_kernel(d, hg, threads):
     DP = D + 1
     NPER = -(-HG * D // NT)
     UD, UT, UNT, UCH, UHG = uint32(D), uint32(T), uint32(NT), uint32(CHUNK), uint32(HG)
+    UNCH = uint32(NCH)     # chunks per staged tile (T // CHUNK: 4 at T 16, 2 at T 8)
     U0 = uint32(0)
     NEG_INF = float32(-math.inf)
     F0, F1 = float32(0), float32(1)
@@ -155,7 +156,7 @@ def make_attention_kernel(d, hg, threads):
                 sp[h, tt] = s
             cuda.syncthreads()
             if tid < UHG:
-                for c in range(UCH):
+                for c in range(UNCH):
                     t0 = c * UCH
                     cmax = NEG_INF
                     for x in range(UCH):
@@ -182,7 +183,7 @@ def make_attention_kernel(d, hg, threads):
                     h = e // UD
                     dd = e - h * UD
                     o = acc[i]
-                    for c in range(UCH):
+                    for c in range(UNCH):
                         o *= sa[h, c]
                         for x in range(UCH):
                             o += sp[h, c * UCH + x] * sv[c * UCH + x, dd]
