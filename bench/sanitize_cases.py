@@ -1,65 +1,184 @@
-"""One small case per kernel and route, for ``compute-sanitizer --tool memcheck`` on a GPU.
+"""Tiny cases for every kernel and route, for compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-Each public function runs once on the sm_90 profile and once under ``NUMQSA_ARCH=sm_70`` (the m8n8k4
-kernels), with routes forced, odd sizes, inert and stale rows, and a page size that is not a power of
-two. Results are compared to the oracle so a silent wrong answer fails here too.
+Two cases per kernel: ``small`` (one request of 70 tokens, 3 rows, page size 16) and ``boundary``
+(page size 784, two requests, rows with every tail length 0-3, a stale row, inert rows, a separate
+index table with non-monotonic pages), the attention routes at every production head geometry
+(Hq/Hkv 3/1, 6/1, 12/1, 24/2 at D 256). Every result is compared with the oracle, so a silent wrong
+answer fails here too. Outputs are NaN-poisoned device buffers (initcheck then sees every read of
+them as initialised: a kernel reading an output it did not write would still fail the comparison).
+
+    python bench/sanitize_cases.py [--arch sm_90|sm_70|both] [--routes generic,page4,...] [--quick]
+
+``--routes`` (or ``NUMQSA_SANITIZE_ROUTES``) lists the ``route_name`` values of
+``numqsa.sparse_attention`` to cover: a new attention kernel is covered by adding its name.
+``--quick`` keeps only the 12/1 geometry (the one whose tile shrinks) for racecheck's slow runs.
+Prints one line per case and ``cases: N ok``; exits 1 on the first mismatch.
 """
+import argparse
 import os
 import sys
+import time
 
 import numpy as np
-from numba import cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from numba import cuda  # noqa: E402
+
 import numqsa  # noqa: E402
 import oracle  # noqa: E402
-from numqsa.testing import assert_matches_oracle, assert_selection_matches  # noqa: E402
+from numqsa import selection as sel  # noqa: E402
+from numqsa.kernels import index_scores as k_scores  # noqa: E402
+from numqsa.kernels import topk as k_topk  # noqa: E402
+from numqsa.plan import arch_profile  # noqa: E402
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison  # noqa: E402
 from oracle.problems import make_problem  # noqa: E402
 
+R = 4
+GEOMETRIES = [(3, 1), (6, 1), (12, 1), (24, 2)]
+DEFAULT_ROUTES = "generic,page4"
 
-def run(arch):
+
+def problems(seed):
+    """``{"small": ..., "boundary": ...}`` at Hi 4 / Di 128, attention heads filled in per geometry."""
+    small = dict(seq_lens=[70], rows_per_req=[3], page_size=16, shared_index_table=True)
+    req = np.array([0, 0, 0, 0, 1, 1, 0, 5, 0], np.int32)
+    pos = np.array([842, 841, 840, 839, 30, 2, 900, 3, -1], np.int32)   # tails 3..0, stale, inert
+    boundary = dict(seq_lens=[843, 31], positions=pos, req_ids=req, page_size=784,
+                    shared_index_table=False)
+    return {"small": (small, seed), "boundary": (boundary, seed + 1)}
+
+
+def make(spec, seed, hq=6, hkv=1, dtype=np.float16):
+    p = make_problem(**spec, Hq=hq, Hkv=hkv, D=256, Hi=4, Di=128, dtype=dtype, seed=seed)
+    if not spec["shared_index_table"]:      # a non-monotonic index table: reverse each row's pages
+        t = p["index_block_table"]
+        for q in range(t.shape[0]):
+            n = int((t[q] >= 0).sum())
+            t[q, :n] = t[q, :n][::-1]
+    return p
+
+
+def dev(p, *keys):
+    return [cuda.to_device(np.ascontiguousarray(p[k])) for k in keys]
+
+
+BATCH = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
+
+
+def run(arch, routes, quick, seed=7):
     os.environ["NUMQSA_ARCH"] = arch
-    ctx, rows = 8195, 515     # tiled scores admitted: 515 rows x 2048 groups >= 2^20
-    positions = np.arange(ctx - rows, ctx, dtype=np.int32)
-    positions[:3] = [-1, ctx + 40, 2]             # inert, stale, short
-    p = make_problem([ctx], positions=positions, req_ids=np.zeros(rows, np.int32), page_size=48,
-                     layout="interleaved", seed=7)
-    batch = (p["req_ids"], p["positions"], p["seq_lens"])
-    d = {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in p.items()}
-    dbatch = (d["req_ids"], d["positions"], d["seq_lens"])
-    # pre-indexer
-    g = 40
-    k_raw = np.random.default_rng(1).standard_normal((g, 4, 128)).astype(np.float16)
-    w = np.zeros(128, np.float16)
-    cache = p["index_cache"].copy()
-    numqsa.index_keys(k_raw, w, np.zeros(g, np.int32), np.arange(g, dtype=np.int32), cache,
-                      p["index_block_table"])
-    numqsa.index_queries(p["qi"], w, *batch)
-    # scores on both routes, then the fused selection
-    for tiled in ("1", "0"):
-        os.environ["NUMQSA_INDEXER_TILED"] = tiled
-        s = numqsa.index_scores(d["qi"], d["index_cache"], d["index_block_table"], *dbatch)
-    ref_s = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    assert_matches_oracle(s.copy_to_host(), ref_s, dtype="float16", what=f"{arch} scores")
-    tokens, counts, groups = numqsa.select(d["qi"], d["index_cache"], d["index_block_table"], *dbatch,
-                                           Kb=512)
-    assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(), counts.copy_to_host(),
-                             ref_s, *batch, Kb=512)
-    # attention: page-4 plan, both routes
-    num_pages, ps = p["k_cache"].shape[:2]
-    numqsa.page4_plan(tokens, counts, d["block_table"], d["req_ids"], d["seq_lens"], page_size=ps,
-                      num_pages=num_pages)
-    kv = cuda.to_device(np.stack([p["k_cache"], p["v_cache"]], axis=1))
-    ref = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
-                                  tokens.copy_to_host(), counts.copy_to_host(), *batch[::2])
-    for route in ("generic", "page4"):
-        out, lse = numqsa.sparse_attention(d["q"], kv[:, 0], kv[:, 1], d["block_table"], tokens,
-                                           counts, d["req_ids"], d["seq_lens"], route_name=route)
-        assert_matches_oracle(out.copy_to_host(), ref[0], dtype="float16", what=f"{arch} {route}")
+    prof = arch_profile((9, 0))            # the forced architecture's profile
+    n = 0
+
+    def ok(what):
+        nonlocal n
+        n += 1
+        print(f"{arch} {what}: ok", flush=True)
+
+    for name, (spec, s) in problems(seed).items():
+        p = make(spec, s)
+        batch = [p[k] for k in BATCH[3:]]
+        d = dev(p, *BATCH)
+        # pre-indexer: keys into a copy of the index cache, queries
+        rng = np.random.default_rng(s)
+        g = 5
+        k_raw = rng.standard_normal((g, R, 128)).astype(np.float16)
+        w = (0.1 * rng.standard_normal(128)).astype(np.float16)
+        reqs = np.zeros(g, np.int32)
+        eids = np.array([0, 1, 7, 3, 12], np.int32)
+        ic_k, ic_o = p["index_cache"].copy(), p["index_cache"].copy()
+        d_ic = cuda.to_device(ic_k)
+        kc = sel.index_keys(cuda.to_device(k_raw), cuda.to_device(w), cuda.to_device(reqs),
+                            cuda.to_device(eids), d_ic, cuda.to_device(p["index_block_table"]),
+                            out=poison(cuda.device_array((g, 128), np.float32)))
+        want = oracle.index_keys(k_raw, w, reqs, eids, ic_o, p["index_block_table"])
+        assert_matches_oracle(kc.copy_to_host(), want, dtype="float32", what="index_keys")
+        assert_matches_oracle(d_ic.copy_to_host(), ic_o, dtype="float16", what="index cache")
+        ok(f"{name} index_keys")
+        q_raw = rng.standard_normal(p["qi"].shape).astype(np.float16)
+        qi = sel.index_queries(cuda.to_device(q_raw), cuda.to_device(w), *d[3:],
+                               out=poison(cuda.device_array(q_raw.shape, np.float16)))
+        assert_matches_oracle(qi.copy_to_host(), oracle.index_queries(q_raw, w, *batch),
+                              dtype="float16", what="index_queries")
+        ok(f"{name} index_queries")
+        # index scores: light and the tensor-core variants of this architecture
+        ref_s = oracle.index_scores(*[p[k] for k in BATCH])
+        variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")]
+                                        if arch == "sm_90" else [("tiled", None)])
+        for route, variant in variants:
+            sc = poison(cuda.device_array(ref_s.shape, np.float32))
+            if route == "light":
+                k_scores.launch_light(*d, sc, prof, 0)
+            else:
+                k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
+            assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",
+                                  what=f"{route} {variant} scores")
+            ok(f"{name} index_scores {route}{'/' + variant if variant else ''}")
+        # top-k, both kernels, on the kernel's own scores (exact)
+        own = sc.copy_to_host()
+        kb = 8
+        gmax = k_topk.bitmap_shape()[1]      # the simulator's bitmap kernel takes 128 groups only
+        for bitmap in ((True, False) if own.shape[1] <= gmax else (False,)):
+            gr = poison(cuda.device_array((own.shape[0], kb), np.int32))
+            k_topk.launch_topk(cuda.to_device(own.view(np.uint32)), *d[3:], gr, prof, 0,
+                               bitmap=bitmap)
+            np.testing.assert_array_equal(gr.copy_to_host(),
+                                          oracle.topk_groups(own.astype(np.float64), *batch, Kb=kb))
+            ok(f"{name} topk {'bitmap' if bitmap else 'radix'}")
+        # expansion and the fused selection
+        out = tuple(poison(cuda.device_array(sh, np.int32))
+                    for sh in ((own.shape[0], kb * R + R - 1), (own.shape[0],), (own.shape[0], kb)))
+        tokens, counts, groups = sel.select(*d, Kb=kb, out=out)
+        assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(),
+                                 counts.copy_to_host(), ref_s, *batch, Kb=kb)
+        ok(f"{name} select (scores, top-k, expand)")
+        tok_h, cnt_h = tokens.copy_to_host(), counts.copy_to_host()
+        # attention: every route at every geometry, float16; float32 on the generic route
+        for hq, hkv in ([(12, 1)] if quick else GEOMETRIES):
+            pa = make(spec, s + hq, hq=hq, hkv=hkv)
+            num_pages, ps = pa["k_cache"].shape[:2]
+            numqsa.page4_plan(tokens, counts, cuda.to_device(pa["block_table"]), d[3], d[5],
+                              page_size=ps, num_pages=num_pages)
+            eo, el = oracle.sparse_attention(pa["q"], pa["k_cache"], pa["v_cache"], pa["block_table"],
+                                             tok_h, cnt_h, pa["req_ids"], pa["seq_lens"])
+            kv = cuda.to_device(np.stack([pa["k_cache"], pa["v_cache"]], axis=1))   # interleaved
+            da = dev(pa, "q", "block_table", "req_ids", "seq_lens")
+            for route in routes:
+                o = poison(cuda.device_array(pa["q"].shape, np.float16))
+                lse = poison(cuda.device_array(pa["q"].shape[:2], np.float32))
+                numqsa.sparse_attention(da[0], kv[:, 0], kv[:, 1], da[1], tokens, counts, da[2],
+                                        da[3], route_name=route, out=(o, lse))
+                assert_matches_oracle(o.copy_to_host(), eo, dtype="float16", what=f"{route} out")
+                assert_matches_oracle(lse.copy_to_host(), el, dtype="float16", what=f"{route} lse")
+                ok(f"{name} attention {route} {hq}/{hkv}")
+            q32 = cuda.to_device(pa["q"].astype(np.float32))
+            k32, v32 = (cuda.to_device(pa[k].astype(np.float32)) for k in ("k_cache", "v_cache"))
+            o = poison(cuda.device_array(pa["q"].shape, np.float32))
+            lse = poison(cuda.device_array(pa["q"].shape[:2], np.float32))
+            numqsa.sparse_attention(q32, k32, v32, da[1], tokens, counts, da[2], da[3],
+                                    route_name="generic", out=(o, lse))
+            eo32, _ = oracle.sparse_attention(pa["q"].astype(np.float32), pa["k_cache"].astype(np.float32),
+                                              pa["v_cache"].astype(np.float32), pa["block_table"],
+                                              tok_h, cnt_h, pa["req_ids"], pa["seq_lens"])
+            assert_matches_oracle(o.copy_to_host(), eo32, dtype="float32", what="generic float32")
+            ok(f"{name} attention generic float32 {hq}/{hkv}")
     cuda.synchronize()
-    print(f"{arch}: all kernels ran")
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="both", choices=["sm_90", "sm_70", "both"])
+    ap.add_argument("--routes", default=os.environ.get("NUMQSA_SANITIZE_ROUTES", DEFAULT_ROUTES))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    routes = [r for r in a.routes.split(",") if r]
+    t0 = time.time()
+    n = 0
+    for arch in (("sm_90", "sm_70") if a.arch == "both" else (a.arch,)):
+        n += run(arch, routes, a.quick)
+    print(f"cases: {n} ok ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
-    for arch in ("sm_90", "sm_70"):
-        run(arch)
+    main()

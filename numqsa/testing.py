@@ -33,15 +33,15 @@ TOLERANCES = {
 def compare(actual, expected):
     """Max abs, relative L2, cosine and finiteness of ``actual`` against the float64 ``expected``.
 
-    Non-finite entries of ``expected`` (``-inf`` scores, ``lse`` of empty rows) must be matched exactly
-    and are left out of the norms.
+    Non-finite entries of ``expected`` (``-inf`` scores, ``lse`` of empty rows, NaN where the float64
+    math gives NaN) must be matched exactly, NaN by NaN, and are left out of the norms.
     """
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
         raise AssertionError(f"shape {a.shape} != expected {e.shape}")
     fin = np.isfinite(e)
-    special_ok = bool(np.array_equal(a[~fin], e[~fin]))
+    special_ok = bool(np.array_equal(a[~fin], e[~fin], equal_nan=True))
     a_f, e_f = a[fin], e[fin]
     diff = a_f - e_f
     norm_e = float(np.linalg.norm(e_f))

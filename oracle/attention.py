@@ -8,7 +8,20 @@ __all__ = ["sparse_attention", "page4_plan", "page4_attention", "attend"]
 
 
 def attend(q_row, k_sel, v_sel, scale):
-    """One row: ``q_row [Hq, D]``, ``k_sel, v_sel [n, Hkv, D]`` -> ``(out [Hq, D], lse [Hq])``."""
+    """One row: ``q_row [Hq, D]``, ``k_sel, v_sel [n, Hkv, D]`` -> ``(out [Hq, D], lse [Hq])``.
+
+    The definition, in IEEE float64 for each head: ``s_t = scale <q, K_t>``, ``m = max_t s_t`` (NaN if
+    any ``s_t`` is), ``w_t = exp(s_t - m)``, ``out = sum_t w_t V_t / sum_t w_t``, ``lse = m + log sum_t w_t``,
+    over the list of selected entries (a token listed twice is two entries). So:
+
+    - a NaN score (NaN in ``q`` or in ``K`` at a selected token, ``inf * 0``, ``inf - inf``), a
+      ``+inf`` score, or every score ``-inf`` make that head's ``out`` (all of it) and ``lse`` NaN;
+    - a ``-inf`` score among finite ones is weight 0;
+    - NaN or inf in ``V`` at a selected token reaches exactly the ``out`` elements of its column
+      (``0 * inf`` is NaN: even a zero-weight entry poisons them); ``lse`` stays finite.
+    Values outside the selection are never read. Kernels accumulate in float32: non-finite values
+    that only a float32 overflow of finite inputs would create are outside this contract.
+    """
     hq, d = q_row.shape
     hkv = k_sel.shape[1]
     if k_sel.shape[0] == 0:
@@ -39,6 +52,14 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     ``S_i = tokens[i, :counts[i]]`` (request-local token ids, any order), token ``t`` of request ``q``
     at ``K[block_table[q, t // page_size], t % page_size]``; K/V may have any strides and are never
     copied whole. Empty selections give ``out = 0``, ``lse = -inf``. ``scale`` defaults to 1/sqrt(D).
+    Duplicates: ``S_i`` is a list, not a set -- a token listed ``k`` times is weighted ``k`` times,
+    exactly as attention over a list holding ``k`` copies of its key and value (the kernels do the
+    same; :func:`numqsa.select` never repeats a token, and the page-4 route hands repeats to the
+    generic kernel). Non-finite values follow IEEE float64 (see :func:`attend`): NaN or inf in
+    ``q[i, h]`` makes head ``h`` of row ``i`` NaN; NaN in ``K`` at a selected token makes the heads
+    of its KV head NaN, inf there those whose score it makes NaN or ``+inf`` (a ``-inf`` score is
+    weight 0, as in the math); NaN/inf in ``V`` there reaches the output column. Never a 0 / ``-inf``
+    "empty row" result for a row that selected tokens.
     Shapes: ``q [rows, Hq, D]``, ``k_cache, v_cache [num_pages, page_size, Hkv, D]`` ->
     ``out [rows, Hq, D]``, ``lse [rows, Hq]`` float64.
     Cost: FLOP = 4*Hq*D*sum_i(counts_i); bytes >= 2*rows*Hq*D (q, out) + 2*Hkv*D*(unique tokens) elements.

@@ -23,6 +23,10 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
 
     Shapes: ``qi [rows, Hi, Di]`` -> ``[rows, num_groups]`` float64, ``num_groups`` defaulting to
     ``max(seq_lens) // r``. Inert rows are all ``-inf``.
+    Non-finite inputs propagate as IEEE float64 arithmetic does: ``relu`` is ``np.maximum(x, 0)``,
+    which keeps NaN, so a NaN in ``qi[i]`` or in key ``e`` makes ``score[i, e]`` NaN, and an inf
+    gives ``+inf`` or NaN (``inf * 0``, ``inf - inf``) as the dot products do. Kernels follow it
+    (float32 accumulation: an overflow of finite float32 inputs is outside the contract).
     Cost: FLOP = 2*Hi*Di*sum_i(nb_i); bytes >= rows*Hi*Di + (unique keys)*Di elements read and
     rows*num_groups*4 written (float32 scores in kernels).
     """
@@ -55,9 +59,14 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
 
 
 def _topk_row(s, kb):
-    """Ascending ids of the ``kb`` best of ``s`` by (score desc, id asc); ``-0.0 == +0.0``."""
+    """Ascending ids of the ``kb`` best of ``s`` by (score desc, id asc); ``-0.0 == +0.0``;
+    NaN above every number, NaNs equal."""
     if s.size <= kb:
         return np.arange(s.size)
+    nan = np.isnan(s)
+    if nan.any():
+        order = np.lexsort((np.arange(s.size), -np.where(nan, 0.0, s), ~nan))
+        return np.sort(order[:kb])
     kth = np.partition(s, s.size - kb)[s.size - kb]   # the kb-th largest value
     above = np.flatnonzero(s > kth)
     ties = np.flatnonzero(s == kth)[:kb - above.size]  # lowest ids win among equal scores
@@ -69,7 +78,10 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4):
 
     The rule is applied to the given scores exactly, so the oracle run on a kernel's own float32
     scores is that kernel's exact expected output. Shapes: ``scores [rows, G]`` ->
-    ``groups int32 [rows, Kb]``, ``-1`` padded. Visible scores must not be NaN.
+    ``groups int32 [rows, Kb]``, ``-1`` padded.
+    A NaN score (a NaN or inf in the index queries or cache, see :func:`index_scores`) ranks above
+    every number and NaNs tie, so a row takes its NaN groups first, lowest ids first -- the order
+    ``torch.topk`` gives the serving engines; ``+inf`` ranks next.
     Cost: reads rows*G scores, writes rows*Kb ids.
     """
     r = V.check_r(r)
@@ -85,8 +97,6 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4):
     groups = np.full((rows, Kb), -1, dtype=np.int32)
     for i in np.flatnonzero(nb):
         vis = s[i, :nb[i]]
-        if np.isnan(vis).any():
-            raise V.QSAInputError(f"scores row {i} has NaN among its {nb[i]} visible groups")
         g = _topk_row(vis, Kb)
         groups[i, :g.size] = g
     return groups
@@ -97,6 +107,11 @@ def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4):
 
     Shapes: ``groups [rows, Kb]`` (ids ``< nb``, ``-1`` padded) -> ``tokens int32 [rows, Kb*r + r - 1]``
     (``-1`` padded) and ``counts int32 [rows]``. Inert rows: no tokens, count 0.
+    A group id outside ``0 .. nb - 1`` (a future group: its tokens lie past the row's position) or a
+    repeated id is refused here (``QSAInputError``), as the public API refuses host groups. The
+    device kernel, which cannot refuse, never expands one: it reads a row's ids up to the first that
+    is not a visible group strictly above its predecessor, so its output is this function's on the
+    longest valid prefix (for ascending input: exactly the visible ids) -- never a token past ``p``.
     Cost: reads rows*Kb ids, writes rows*(Kb*r + r - 1) ids.
     """
     r = V.check_r(r)

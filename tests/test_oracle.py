@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import oracle
+from oracle import attention as oracle_attention
 from oracle.problems import kv_views, make_problem
 
 R = 4
@@ -351,3 +352,38 @@ def test_production_shape_32k(seed):
 def test_oracle_never_imports_numba():
     code = "import sys, oracle, oracle.problems; assert 'numba' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nan_scores_rank_first_brute_force(rng):
+    """The NaN rule against brute force: sort by (NaN first, score desc, id asc), take Kb."""
+    kb, nb = 7, 30
+    lens = np.array([nb * R], np.int32)
+    args = (np.zeros(4, np.int32), np.array([nb * R - 1] * 4, np.int32), lens)
+    s = rng.standard_normal((4, nb))
+    s[0, rng.choice(nb, 3, replace=False)] = np.nan          # fewer NaNs than Kb
+    s[1, rng.choice(nb, 10, replace=False)] = np.nan         # more NaNs than Kb
+    s[2, [4, 9]] = [np.inf, np.nan]
+    s[3, :] = np.nan
+    groups = oracle.topk_groups(s, *args, Kb=kb)
+    for i in range(4):
+        key = sorted(range(nb), key=lambda e: (not np.isnan(s[i, e]),
+                                               0.0 if np.isnan(s[i, e]) else -s[i, e], e))
+        assert groups[i].tolist() == sorted(key[:kb]), f"row {i}"
+
+
+def test_attention_nonfinite_follows_ieee():
+    """``attend`` is the IEEE float64 evaluation of max-subtracted softmax: spot values."""
+    q = np.ones((2, 1))                                        # Hq 2 sharing one KV head, D 1
+    k = np.array([[[1.0]], [[2.0]]])
+    v = np.array([[[3.0]], [[5.0]]])
+    out, lse = oracle_attention.attend(q, k, v, 1.0)
+    w = np.exp([1.0, 2.0]) / np.exp([1.0, 2.0]).sum()
+    np.testing.assert_allclose(out[:, 0], w @ [3.0, 5.0])
+    np.testing.assert_allclose(lse, np.log(np.exp([1.0, 2.0]).sum()))
+    for bad_k, nan_out in (([[[np.inf]], [[2.0]]], True), ([[[-np.inf]], [[2.0]]], False),
+                           ([[[-np.inf]], [[-np.inf]]], True), ([[[np.nan]], [[2.0]]], True)):
+        with np.errstate(invalid="ignore"):
+            o, l = oracle_attention.attend(q, np.array(bad_k), v, 1.0)
+        assert np.isnan(o).all() == nan_out and np.isnan(l).all() == nan_out, bad_k
+        if not nan_out:
+            np.testing.assert_allclose(o, 5.0)

@@ -48,6 +48,9 @@ def make_attention_kernel(d, hg, threads):
     as one sequential d-ordered dot product; thread ``h < hg`` runs head ``h``'s online softmax over
     the ``T / 4`` chunks; every thread owns the output elements ``e = tid + i*threads`` of the
     ``hg x d`` block (register accumulators) and applies each chunk's rescale and terms in order.
+    Non-finite values follow the float64 math (:func:`oracle.attention.attend`): a head with a NaN or
+    +inf score, or with every score -inf, gets NaN ``out`` and ``lse``; NaN/inf in V reach the output
+    elements they multiply (``0 * inf`` is NaN). A token listed twice is weighted twice.
     Before anything, the row's token ids are checked (``0 <= t < seq_len``, table column and page
     id in range): any bad id makes the row inert, so the kernel never reads out of bounds.
     Shared memory: ``4*(hg*d + T*(d+1) + T*d + hg*T + hg*T/4 + 2T) + 4`` bytes
@@ -59,8 +62,11 @@ def make_attention_kernel(d, hg, threads):
     DP = D + 1
     NPER = -(-HG * D // NT)
     UD, UT, UNT, UCH, UHG = uint32(D), uint32(T), uint32(NT), uint32(CHUNK), uint32(HG)
+    UNCH = uint32(NCH)     # chunks per staged tile (T // CHUNK: 4 at T 16, 2 at T 8)
     U0 = uint32(0)
     NEG_INF = float32(-math.inf)
+    POS_INF = float32(math.inf)
+    NAN = float32(math.nan)
     F0, F1 = float32(0), float32(1)
 
     def kernel(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale, out, lse,
@@ -115,6 +121,7 @@ def make_attention_kernel(d, hg, threads):
             sq[h, dd] = float32(q[row, j * UHG + h, dd])
         m = NEG_INF       # running max and sum of head tid (threads tid < HG)
         l = F0
+        bad = False       # head tid saw a NaN or +inf score: its softmax is NaN (the float64 math's)
         acc = cuda.local.array(NPER, float32)
         for i in range(NPER):
             acc[i] = F0
@@ -155,11 +162,14 @@ def make_attention_kernel(d, hg, threads):
                 sp[h, tt] = s
             cuda.syncthreads()
             if tid < UHG:
-                for c in range(UCH):
+                for c in range(UNCH):
                     t0 = c * UCH
                     cmax = NEG_INF
                     for x in range(UCH):
-                        cmax = max(cmax, sp[tid, t0 + x])
+                        s = sp[tid, t0 + x]
+                        cmax = max(cmax, s)      # fmaxf: skips NaN, which ``bad`` records
+                        if math.isnan(s) or s == POS_INF:
+                            bad = True
                     alpha = F1
                     if cmax > m:     # max unchanged -> alpha exactly 1, as if rescaled by exp(0)
                         alpha = F0
@@ -182,7 +192,7 @@ def make_attention_kernel(d, hg, threads):
                     h = e // UD
                     dd = e - h * UD
                     o = acc[i]
-                    for c in range(UCH):
+                    for c in range(UNCH):
                         o *= sa[h, c]
                         for x in range(UCH):
                             o += sp[h, c * UCH + x] * sv[c * UCH + x, dd]
@@ -190,10 +200,13 @@ def make_attention_kernel(d, hg, threads):
             cuda.syncthreads()
 
         if tid < UHG:
-            sp[tid, 0] = l
             lv = NEG_INF
-            if l > F0:
+            if n > int32(0):
+                # exp(s - max) with a NaN or +inf max, or a max of -inf (every score -inf), is NaN
+                if bad or m == NEG_INF:
+                    l = NAN
                 lv = m + math.log(l)
+            sp[tid, 0] = l
             lse[row, j * UHG + tid] = lv
         cuda.syncthreads()
         for i in range(NPER):
@@ -201,10 +214,9 @@ def make_attention_kernel(d, hg, threads):
             if e < UHG * UD:
                 h = e // UD
                 dd = e - h * UD
-                lh = sp[h, 0]
                 o = F0
-                if lh > F0:
-                    o = acc[i] / lh
+                if n > int32(0):
+                    o = acc[i] / sp[h, 0]
                 out[row, j * UHG + h, dd] = o
 
     kernel.__name__ = f"sparse_attention_d{D}_g{HG}_t{NT}"

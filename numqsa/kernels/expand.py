@@ -1,7 +1,10 @@
 """Expansion (spec §5): selected groups -> ascending token ids, the forced tail last, -1 padding, counts.
 
 Input ``groups [rows, Kb]`` int32 as the top-k kernel writes them: ascending valid ids (< nb) first,
-then -1. Token slot ``j`` of a row with ``ng`` groups holds ``r*groups[j // r] + j % r`` for
+then -1. A caller's groups are read up to the first entry that is not a visible group (``0 <= g < nb``)
+strictly above its predecessor: an out-of-range id (a future group, whose tokens lie past the row's
+position), a repeat or a descent ends the row's groups there, so the output is always a causal,
+ascending selection without repeats (issue 12: a group past ``nb`` was expanded and attended to). Token slot ``j`` of a row with ``ng`` groups holds ``r*groups[j // r] + j % r`` for
 ``j < r*ng``, then the tail ``r*nb .. p`` (``p + 1 - r*nb`` tokens), then -1. Inert rows: all -1, count 0.
 """
 import functools
@@ -16,8 +19,8 @@ from .common import row_state
 def make_expand_kernel(threads, r):
     """One block of ``threads`` threads per row (grid ``rows``).
 
-    The row's group count ``ng`` is found in parallel (the thread seeing the last valid id before a
-    -1 writes it to shared memory), then threads stride over the ``Kb*r + r - 1`` token slots
+    The row's group count ``ng`` is found in parallel (the index of the first entry that does not
+    continue a strictly ascending run of visible ids: a shared-memory atomic min), then threads stride over the ``Kb*r + r - 1`` token slots
     (coalesced writes; a group id is read by ``r`` neighbouring threads from L1).
     Shared memory: 4 bytes.
     """
@@ -33,15 +36,20 @@ def make_expand_kernel(threads, r):
         width = uint32(tokens.shape[1])
         req, p, nb = row_state(i, req_ids, positions, seq_lens, R)
         if tid == uint32(0):
-            ng_s[0] = int32(0)
+            ng_s[0] = int32(kb)
+            if req < int32(0):
+                ng_s[0] = int32(0)
         cuda.syncthreads()
         if req >= int32(0):
             for j in range(tid, kb, uint32(NT)):
-                if groups[i, j] >= int32(0):
-                    if j + uint32(1) == kb:
-                        ng_s[0] = int32(kb)
-                    elif groups[i, j + uint32(1)] < int32(0):
-                        ng_s[0] = int32(j + uint32(1))
+                g = groups[i, j]
+                prev = int32(-1)
+                if j > uint32(0):
+                    prev = groups[i, j - uint32(1)]
+                stop = g < int32(0) or g >= nb or (j > uint32(0) and g <= prev)
+                # an entry after a -1 is not the first stop: one atomic per well-formed row
+                if stop and not (j > uint32(0) and prev < int32(0)):
+                    cuda.atomic.min(ng_s, 0, int32(j))
         cuda.syncthreads()
         ng = uint32(ng_s[0])
         tail = uint32(0)

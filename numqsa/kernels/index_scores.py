@@ -13,6 +13,10 @@ Rows of one tile may belong to different requests (varlen batches): a block runs
 distinct request among its rows, staging that request's keys; almost always there is one pass.
 A page id outside ``[0, num_idx_pages)`` (the public API rejects those before launch) is never read:
 its keys load as zeros.
+
+Non-finite inputs propagate as the float64 math does (the oracle's contract): ReLU is
+:func:`relu`, which keeps NaN, not ``max(x, 0)`` -- numba lowers a float ``max`` to ``fmaxf`` on a
+GPU, which returns the non-NaN operand (the simulator's Python ``max`` keeps it: the two disagreed).
 """
 import functools
 import math
@@ -25,6 +29,14 @@ from .common import row_state
 from .mma import pack_f16x2 as _pack_pair
 
 NEG_INF = float32(-math.inf)
+
+
+@device_jit
+def relu(x):
+    """``max(x, 0)`` that keeps NaN (``NaN < 0`` is false), as NumPy's ``maximum`` in the oracle."""
+    if x < float32(0.0):
+        return float32(0.0)
+    return x
 
 
 def _light_shape(hi, di):
@@ -143,7 +155,7 @@ def make_light_scores_kernel(hi, di, r):
                             if r_req[rbase + rr] == target and int32(e) < r_nb[rbase + rr]:
                                 tot = float32(0.0)
                                 for h in range(HI):
-                                    tot += max(acc[rr * HI + h], float32(0.0))
+                                    tot += relu(acc[rr * HI + h])
                                 res[rr] = tot * inv_sqrt
                     cuda.syncthreads()
             if e < span1:
@@ -398,9 +410,9 @@ def make_tiled_scores_kernel(kind, hi, di, r):
                                      a_reg[ks * 4 + 3])
                                 acc = mma16(a, b, acc, scr[warp], lane)
                             for ii in range(4):
-                                v = max(acc[ii], F0)
+                                v = relu(acc[ii])
                                 if HI >= 16:
-                                    v += max(acc[ii ^ 2], F0)
+                                    v += relu(acc[ii ^ 2])
                                 if HI >= 2:
                                     v = _xor_add(v, uint32(4), lane, xs[warp])
                                 if HI >= 4:
@@ -425,9 +437,9 @@ def make_tiled_scores_kernel(kind, hi, di, r):
                                              k_s[n, uint32(2 * ks)], k_s[n, uint32(2 * ks + 1)],
                                              acc, scr[warp], lane)
                             for ii in range(8):
-                                v = max(acc[ii], F0)
+                                v = relu(acc[ii])
                                 if HI >= 4:
-                                    v += max(acc[ii ^ 2], F0)
+                                    v += relu(acc[ii ^ 2])
                                 if HI >= 2:
                                     v = _xor_add(v, uint32(1), lane, xs[warp])
                                 if HI >= 8:
@@ -671,7 +683,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
                         for ii in range(4):
                             v = F0
                             for h in range(HI):
-                                v += max(acc[h * 4 + ii], F0)
+                                v += relu(acc[h * 4 + ii])
                             e = e0 + m + U8 * (uint32(ii) >> uint32(1))
                             lr = la + uint32(ii & 1)
                             orow = row0 + lr

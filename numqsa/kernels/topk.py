@@ -9,7 +9,7 @@ group order takes first. The result is bitwise deterministic (no atomics decide 
 histogram is exact counts), holds on plateaus of exact zeros, and is written ascending.
 
 Scores are read as their uint32 bit patterns (a float32 array viewed as uint32); ``-0.0`` counts as
-``+0.0``. Visible scores must not be NaN (the oracle's contract).
+``+0.0``. A NaN score ranks above every number, NaNs tying (lowest group ids first), as in the oracle.
 """
 import functools
 
@@ -20,6 +20,8 @@ from .common import row_state
 
 FULL_MASK = uint32(0xFFFFFFFF)
 SIGN = uint32(0x80000000)
+EXP_MASK = uint32(0x7F800000)     # +inf; larger magnitudes are NaN
+ABS_MASK = uint32(0x7FFFFFFF)
 BINS = 256
 
 
@@ -88,7 +90,12 @@ def make_block_scan(threads):
 
 @device_jit
 def ordered_bits(b):
-    """float32 bits -> uint32 whose unsigned order is the float order; -0.0 maps like +0.0."""
+    """float32 bits -> uint32 whose unsigned order is the float order; -0.0 maps like +0.0.
+
+    Every NaN (either sign, any payload) maps to the one largest key: NaN ranks above +inf, and
+    NaNs tie, so the lowest group ids among them win (``torch.topk``'s order; the oracle's rule)."""
+    if (b & ABS_MASK) > EXP_MASK:
+        return FULL_MASK
     if b == SIGN:
         b = uint32(0)
     if b & SIGN:
