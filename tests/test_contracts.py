@@ -313,13 +313,7 @@ def test_nonfinite_index_keys_and_queries(rng, value):
     assert_matches_oracle(got, want, dtype="float32", what="qi")
 
 
-# The page-4 route is being replaced (the lead's new grouped kernel); it must follow the same rule.
-PAGE4_NAN = pytest.mark.xfail(reason="the page-4 grouped kernel does not follow the non-finite "
-                                     "contract yet (its replacement must)", strict=False)
-
-
-@pytest.mark.parametrize("what", [pytest.param("q", marks=PAGE4_NAN), pytest.param("k", marks=PAGE4_NAN),
-                                  "v"])
+@pytest.mark.parametrize("what", ["q", "k", "v"])
 def test_nonfinite_page4_route(rng, what):
     """The rule on the page-4 route (float16, whole-group selections)."""
     p, tokens, counts = _attention_problem(rng, hkv=1, d=32, dtype=np.float16)
