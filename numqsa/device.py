@@ -108,19 +108,19 @@ def describe(x, kind):
     """
     if kind == "torch":
         p = x.data_ptr()
-        return p, (x.dtype, x.shape, x.stride(), p & 255)
+        return p, (x.dtype, x.shape, x.stride(), p & 15)
     if kind == "numba":
         if SIMULATOR:
             p = int(x._ary.__array_interface__["data"][0])
-            return p, (x.dtype, x.shape, x._ary.strides, p & 255)
+            return p, (x.dtype, x.shape, x._ary.strides, p & 15)
         p = x.device_ctypes_pointer.value or 0
-        return p, (x.dtype, x.shape, x.strides, p & 255)
+        return p, (x.dtype, x.shape, x.strides, p & 15)
     if kind == "cupy":
         p = x.data.ptr
-        return p, (x.dtype, x.shape, x.strides, p & 255)
+        return p, (x.dtype, x.shape, x.strides, p & 15)
     cai = as_numba(x).__cuda_array_interface__
     p = int(cai["data"][0])
-    return p, (cai["typestr"], tuple(cai["shape"]), cai.get("strides"), p & 255)
+    return p, (cai["typestr"], tuple(cai["shape"]), cai.get("strides"), p & 15)
 
 
 _TORCH_DTYPES = {}

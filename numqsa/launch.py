@@ -11,7 +11,7 @@ Contract for a stage launcher (``numqsa/kernels/*.py`` ``launch_*``):
    ``kernel[grid, block, stream, smem](*args)`` is caught too, through the same hook, so launchers
    not yet converted still record).
 2. Everything it decides on the host -- routes, grids, shared memory, derived views -- comes from
-   shapes, strides, dtypes, the pointer's alignment (``ptr % 256``), the launch profile and the
+   shapes, strides, dtypes, the pointer's 16-byte alignment (``ptr % 16``), the launch profile and the
    environment; never from array *values* and never from a device-to-host copy.
 3. Buffers it needs come from its arguments, a workspace, or :func:`numqsa.device.constant`; a
    temporary it allocates itself is kept alive by the recording (it is one of the recorded args).

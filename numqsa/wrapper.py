@@ -30,23 +30,10 @@ from .launch import Program, recording
 __all__ = ["QSAPrefillWrapper", "check_geometry_int"]
 
 META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
-#: Kb above this (a selection of 4M tokens per row) is refused: the selection buffers alone would
-#: take rows x (Kb*r + r - 1) x 4 bytes.
-MAX_KB = 1 << 20
-MAX_R = 1 << 10
+MAX_KB, MAX_R = V.MAX_KB, V.MAX_R
 
 
-def check_geometry_int(value, name, lo=1, hi=None):
-    """A plain integer geometry argument in ``[lo, hi]``, or a clear :class:`QSAInputError`."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        hint = f" (use {int(value)})" if isinstance(value, float) and float(value).is_integer() else ""
-        raise V.QSAInputError(f"{name} must be an integer, got {value!r} "
-                              f"({type(value).__name__}){hint}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise V.QSAInputError(f"{name} = {value} is out of range: it must be {rng}")
-    return value
+check_geometry_int = V.check_int
 
 
 def _kernel_dtype(x, name, kind):
@@ -318,8 +305,8 @@ class QSAPrefillWrapper:
         named = dict(inputs)
         dev_arrays = {}
         for (name, x), a, kind in zip(inputs, arrays, kinds):
-            if kind != "numpy" and name not in ("tokens", "counts"):
-                _kernel_dtype(x, name, kind)
+            if name not in ("tokens", "counts"):
+                _kernel_dtype(x, name, "numpy" if isinstance(x, np.ndarray) else kind)
             dev_arrays[name] = a if kind == "numba" else dev.as_numba(a, name)
         rows = self._rows
         req, pos, lens, bt, ibt = self._meta
