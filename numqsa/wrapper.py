@@ -85,6 +85,7 @@ class QSAPrefillWrapper:
         self._programs = OrderedDict()
         self._streams = {}
         self._planned = False
+        self._rows = 0
 
     @staticmethod
     def _dtype_arg(dtype, name):
