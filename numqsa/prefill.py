@@ -94,6 +94,11 @@ def qsa_prefill(qi, index_cache, index_block_table, q, k_cache, v_cache, block_t
     geometry = dict(Hi=int(qi.shape[1]), Di=int(qi.shape[2]), Hq=int(q.shape[1]),
                     Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=_kd(qd),
                     index_dtype=_kd(qid), out_dtype=_kd(out_dtype or qd), scale=scale)
+    ks = tuple(k_cache.shape)
+    if geometry["Hq"] % ks[2] and not geometry["Hq"] % ks[1] and ks[3] == geometry["D"]:
+        raise V.QSAInputError(
+            f"k_cache has shape {ks}, which looks head-major [num_pages, Hkv, page_size, D]; pass "
+            f"k_cache.transpose(1, 2) (a view: no copy) so it reads [num_pages, page_size, Hkv, D]")
     if geometry["Hq"] % geometry["Hkv"]:
         raise V.QSAInputError(f"Hq = {geometry['Hq']} is not a positive multiple of Hkv = "
                               f"{geometry['Hkv']}")

@@ -311,6 +311,18 @@ class QSAPrefillWrapper:
             dev_arrays[name] = a if kind == "numba" else dev.as_numba(a, name)
         rows = self._rows
         req, pos, lens, bt, ibt = self._meta
+        if "q" in named:
+            kc, vc = dev_arrays["k_cache"], dev_arrays["v_cache"]
+            self._check_kv_layout(kc)
+            num_pages, page_size, hkv, d = V.check_kv(kc, vc, self.r)
+            if (hkv, d) != (self.Hkv, self.D):
+                raise V.QSAInputError(f"k_cache has Hkv = {hkv}, D = {d}; this wrapper was built "
+                                      f"for Hkv = {self.Hkv}, D = {self.D}")
+            hq = V.check_q(dev_arrays["q"], rows, hkv, d)
+            if hq != self.Hq:
+                raise V.QSAInputError(f"q has Hq = {hq} heads; this wrapper was built for Hq = "
+                                      f"{self.Hq}")
+            self._check_table("block_table", num_pages, page_size, 1)
         if "qi" in named:
             ic = dev_arrays["index_cache"]
             n_ipages, R, di = V.check_index_cache(ic)
@@ -325,18 +337,6 @@ class QSAPrefillWrapper:
             G = self._groups
             if G is None:                # device seq_lens, not read: the index table's capacity
                 G = int(ibt.shape[1]) * int(R)
-        if "q" in named:
-            kc, vc = dev_arrays["k_cache"], dev_arrays["v_cache"]
-            self._check_kv_layout(kc)
-            num_pages, page_size, hkv, d = V.check_kv(kc, vc, self.r)
-            if (hkv, d) != (self.Hkv, self.D):
-                raise V.QSAInputError(f"k_cache has Hkv = {hkv}, D = {d}; this wrapper was built "
-                                      f"for Hkv = {self.Hkv}, D = {self.D}")
-            hq = V.check_q(dev_arrays["q"], rows, hkv, d)
-            if hq != self.Hq:
-                raise V.QSAInputError(f"q has Hq = {hq} heads; this wrapper was built for Hq = "
-                                      f"{self.Hq}")
-            self._check_table("block_table", num_pages, page_size, 1)
         if mode == "attention":
             V.check_selection(dev_arrays["tokens"], dev_arrays["counts"], rows, self.r)
         out_arrays = [b if k == "numba" else dev.as_numba(b) for b, k in outs]
