@@ -34,6 +34,7 @@ from oracle.validate import QSAInputError  # noqa: E402
 
 from .attention import page4_attention, page4_plan, sparse_attention  # noqa: E402
 from .prefill import Workspace, qsa_prefill  # noqa: E402
+from .metadata import rows_from_query_start_loc, tables_from_paged_indptr  # noqa: E402
 from .wrapper import QSAPrefillWrapper  # noqa: E402
 from .selection import expand_tokens, index_keys, index_queries, index_scores, select, topk_groups  # noqa: E402
 
@@ -42,5 +43,5 @@ __version__ = "0.1.0"
 __all__ = [
     "QSAInputError", "index_keys", "index_queries", "index_scores", "topk_groups",
     "expand_tokens", "select", "page4_plan", "sparse_attention", "page4_attention", "qsa_prefill",
-    "Workspace", "QSAPrefillWrapper",
+    "Workspace", "QSAPrefillWrapper", "rows_from_query_start_loc", "tables_from_paged_indptr",
 ]
