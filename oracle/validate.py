@@ -19,7 +19,7 @@ INT_DTYPES = ("int32", "int64")
 
 
 class QSAInputError(ValueError):
-    """A QSA input violates the contract of ``QSA_SPEC.md``."""
+    """A QSA input violates the contract of ``docs/contract.md``."""
 
 
 def dtype_name(x):
