@@ -23,9 +23,11 @@ Under :func:`recording` nothing is launched: each launch is appended to a list a
 plus the caller's "input" arrays (those whose memory may change between replays) into a replayable
 sequence: array arguments that lie inside an input's memory are re-based on each replay; all other
 arguments are frozen. On a GPU the replay is ``cuLaunchKernel`` with a prepared ``void**``; in the
-numba CUDA simulator (no driver) it rebuilds the views and calls the dispatcher.
+numba CUDA simulator (no driver) it rebuilds the views and calls the dispatcher, as it does on a GPU
+when ``NUMQSA_PREPARED_LAUNCH=0`` (for comparisons) or when an argument kind is not understood.
 """
 import ctypes
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -203,7 +205,9 @@ class Program:
             self.patches.append(pts)
         self.fast = False
         self.fallback_reason = "simulator" if SIMULATOR else ""
-        if not SIMULATOR:
+        if not SIMULATOR and os.environ.get("NUMQSA_PREPARED_LAUNCH", "1").strip() == "0":
+            self.fallback_reason = "NUMQSA_PREPARED_LAUNCH=0"
+        elif not SIMULATOR:
             try:
                 self._prepare_params()
                 self.fast = True
