@@ -112,7 +112,9 @@ class QSAPrefillWrapper:
         (device tables are then guarded by the kernels: a row needing a bad page id is inert);
         False checks nothing but shapes and dtypes. Host metadata are copied into buffers the
         wrapper keeps, device int32 metadata are used in place (keep them alive and unchanged until
-        the last run of this plan), device int64 metadata are converted on the device.
+        the last run of this plan), device int64 metadata are converted on the device. Copies and
+        conversions go on ``stream`` (default: the current stream of ``req_ids``' framework); run the
+        layers on the same stream.
         """
         given = {"req_ids": req_ids, "positions": positions, "seq_lens": seq_lens,
                  "block_table": block_table,
@@ -145,7 +147,8 @@ class QSAPrefillWrapper:
                     f"num_groups = {num_groups} is below the longest request's {need} groups "
                     f"(request {q}, seq_len {int(host['seq_lens'][q])}, r = {self.r}); pass "
                     f"num_groups >= max(seq_lens) // r or leave it out")
-        stream_h = dev.stream_handle(stream)
+        stream_h = (dev.current_stream_handle(kinds["req_ids"], req_ids) if stream is None
+                    else dev.stream_handle(stream))
         nstream = self._numba_stream(stream_h)
         arrays = {}
         for n, x in given.items():
