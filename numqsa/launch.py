@@ -127,12 +127,11 @@ def array_span(a):
         ptr = int(h.__array_interface__["data"][0])
         shape, strides, itemsize = h.shape, h.strides, h.itemsize
     else:
-        cai = a.__cuda_array_interface__
-        ptr = int(cai["data"][0])
-        shape = tuple(cai["shape"])
+        # numba's own fields: its __cuda_array_interface__ fails for arrays allocated on an
+        # external stream (numba-cuda 0.30.4, seen on the H200)
+        ptr = int(a.device_ctypes_pointer.value or 0)
+        shape, strides = tuple(a.shape), tuple(a.strides)
         itemsize = np.dtype(a.dtype).itemsize
-        strides = cai.get("strides") or tuple(
-            int(itemsize * np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
     if any(n == 0 for n in shape):
         return ptr, ptr, ptr
     lo = ptr + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
@@ -142,7 +141,7 @@ def array_span(a):
 
 def _is_array(x):
     return hasattr(x, "shape") and hasattr(x, "dtype") and (
-        hasattr(x, "__cuda_array_interface__") or hasattr(x, "_ary"))
+        hasattr(x, "device_ctypes_pointer") or hasattr(x, "_ary"))
 
 
 def _locate(a, spans):
@@ -324,8 +323,5 @@ def _view_like(a, ptr, owner):
         arr = np.asarray(_HostView(ptr, h.shape, h.strides, dtype, owner)).view(dtype)
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return FakeCUDAArray(arr)
-    cai = a.__cuda_array_interface__
-    strides = cai.get("strides") or tuple(
-        int(dtype.itemsize * np.prod(cai["shape"][i + 1:], dtype=np.int64))
-        for i in range(len(cai["shape"])))
-    return cuda.as_cuda_array(_DeviceView(ptr, cai["shape"], strides, dtype, owner), sync=False)
+    return cuda.as_cuda_array(_DeviceView(ptr, tuple(a.shape), tuple(a.strides), dtype, owner),
+                              sync=False)
