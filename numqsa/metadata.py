@@ -3,6 +3,10 @@
 No host reads (no synchronisation): sizes that a host read would give (the number of rows, the
 table width) are arguments. Results are int32 arrays of the input's framework (NumPy in: NumPy out).
 """
+from __future__ import annotations
+
+from typing import Any, Optional
+
 import numpy as np
 
 from oracle import validate as V
@@ -23,7 +27,8 @@ def _finish(x, kind, like, stream):
     return x
 
 
-def rows_from_query_start_loc(query_start_loc, seq_lens, *, rows=None, stream=None):
+def rows_from_query_start_loc(query_start_loc: Any, seq_lens: Any, *, rows: Optional[int] = None,
+                              stream: Any = None) -> tuple:
     """``(req_ids, positions)`` int32 ``[rows]`` from ``query_start_loc`` (a.k.a. ``cu_seqlens_q``).
 
     ``query_start_loc [num_reqs + 1]`` (ascending, first 0) gives request ``q`` the query rows
@@ -50,8 +55,8 @@ def rows_from_query_start_loc(query_start_loc, seq_lens, *, rows=None, stream=No
     return _finish(req, kind, query_start_loc, s), _finish(pos, kind, query_start_loc, s)
 
 
-def tables_from_paged_indptr(kv_indptr, kv_indices, kv_last_page_len, *, page_size, cols,
-                             stream=None):
+def tables_from_paged_indptr(kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
+                             page_size: int, cols: int, stream: Any = None) -> tuple:
     """``(block_table int32 [num_reqs, cols], seq_lens int32 [num_reqs])`` from FlashInfer's paged
     layout: request ``q`` owns pages ``kv_indices[kv_indptr[q] : kv_indptr[q+1]]``, the last one
     filled to ``kv_last_page_len[q]`` tokens. Columns past a request's pages are -1; ``cols`` (the

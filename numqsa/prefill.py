@@ -3,7 +3,10 @@
 Each call plans the batch and runs one layer on a wrapper kept per geometry, stream and thread (or in
 the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches.
 """
+from __future__ import annotations
+
 import threading
+from typing import Any, Optional
 
 import numpy as np
 
@@ -55,9 +58,12 @@ def _wrapper(key, workspace, **geometry):
     return w
 
 
-def qsa_prefill(qi, index_cache, index_block_table, q, k_cache, v_cache, block_table, req_ids,
-                positions, seq_lens, *, Kb=512, r=4, scale=None, out_dtype=None, out=None,
-                workspace=None, num_groups=None, validate=None, stream=None):
+def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cache: Any,
+                v_cache: Any, block_table: Any, req_ids: Any, positions: Any, seq_lens: Any, *,
+                Kb: int = 512, r: int = 4, scale: Optional[float] = None, out_dtype: Any = None,
+                out: Optional[tuple] = None, workspace: Optional["Workspace"] = None,
+                num_groups: Optional[int] = None, validate: Optional[bool] = None,
+                stream: Any = None) -> tuple:
     """``(out, lse, tokens, counts)``: each row attends to its top-``Kb`` groups plus its tail.
 
     Mirrors :func:`oracle.qsa_prefill`. ``qi [rows, Hi, Di]`` are finished index queries (after norm

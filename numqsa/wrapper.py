@@ -17,7 +17,10 @@ CUDA graphs: run once eagerly (compiles, prepares), then capture ``run`` on the 
 (``torch.cuda.graph(g, stream=s)`` and ``stream=s``, with ``out=`` buffers), write new inputs into
 the same tensors and ``g.replay()``.
 """
+from __future__ import annotations
+
 from collections import OrderedDict
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -64,8 +67,9 @@ class QSAPrefillWrapper:
     ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
     """
 
-    def __init__(self, *, Hi=4, Di=128, Hq=6, Hkv=1, D=256, r=4, Kb=512, dtype="float16",
-                 index_dtype=None, out_dtype=None, scale=None, max_programs=8):
+    def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
+                 r: int = 4, Kb: int = 512, dtype: Any = "float16", index_dtype: Any = None,
+                 out_dtype: Any = None, scale: Optional[float] = None, max_programs: int = 8) -> None:
         self.Hi = check_geometry_int(Hi, "Hi")
         self.Di = check_geometry_int(Di, "Di")
         self.Hq = check_geometry_int(Hq, "Hq")
@@ -100,8 +104,9 @@ class QSAPrefillWrapper:
         return dt
 
     # -------------------------------------------------------------------------------- plan
-    def plan(self, req_ids, positions, seq_lens, block_table, index_block_table=None, *,
-             num_groups=None, validate=True, stream=None):
+    def plan(self, req_ids: Any, positions: Any, seq_lens: Any, block_table: Any,
+             index_block_table: Any = None, *, num_groups: Optional[int] = None,
+             validate: Optional[bool] = True, stream: Any = None) -> "QSAPrefillWrapper":
         """Take one batch's metadata (spec §1-§2); validate it; keep it on the device as int32.
 
         ``index_block_table`` defaults to ``block_table`` (index pages shared with the main pages,
@@ -171,8 +176,9 @@ class QSAPrefillWrapper:
         return self
 
     # -------------------------------------------------------------------------------- run
-    def run(self, qi, index_cache, q, k_cache, v_cache, *, out=None, return_selection=False,
-            stream=None):
+    def run(self, qi: Any, index_cache: Any, q: Any, k_cache: Any, v_cache: Any, *,
+            out: Optional[Sequence[Any]] = None, return_selection: bool = False,
+            stream: Any = None) -> tuple:
         """``(out [rows, Hq, D], lse float32 [rows, Hq])``: selection then attention, one layer.
 
         ``out`` may be ``(out, lse)`` or ``(out, lse, tokens, counts)`` buffers (any framework;
@@ -189,13 +195,15 @@ class QSAPrefillWrapper:
                                         ("k_cache", k_cache), ("v_cache", v_cache)], specs, out, stream)
         return res if return_selection else res[:2]
 
-    def run_select(self, qi, index_cache, *, out=None, stream=None):
+    def run_select(self, qi: Any, index_cache: Any, *, out: Optional[Sequence[Any]] = None,
+                   stream: Any = None) -> tuple:
         """``(tokens, counts, groups)`` of one layer (:func:`numqsa.select` semantics)."""
         specs = [("tokens", (self._rows, self.width), "int32"), ("counts", (self._rows,), "int32"),
                  ("groups", (self._rows, self.Kb), "int32")]
         return self._execute("select", [("qi", qi), ("index_cache", index_cache)], specs, out, stream)
 
-    def run_attention(self, q, k_cache, v_cache, tokens, counts, *, out=None, stream=None):
+    def run_attention(self, q: Any, k_cache: Any, v_cache: Any, tokens: Any, counts: Any, *,
+                      out: Optional[Sequence[Any]] = None, stream: Any = None) -> tuple:
         """``(out, lse)`` over a given selection (:func:`numqsa.sparse_attention` semantics)."""
         specs = [("out", (self._rows, self.Hq, self.D), self.out_dtype),
                  ("lse", (self._rows, self.Hq), "float32")]
