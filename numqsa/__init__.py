@@ -2,18 +2,46 @@
 
 Every public function mirrors the float64 oracle in :mod:`oracle` name for name and argument for
 argument, adding ``out=``/``stream=`` where they apply. NumPy inputs give NumPy outputs; numba
-device arrays and PyTorch/CuPy CUDA tensors are used in place and give device arrays back.
+device arrays and PyTorch/CuPy CUDA tensors are used in place. :class:`QSAPrefillWrapper` plans a
+batch once and runs each layer with prepared launches; :func:`qsa_prefill` is a thin layer over it.
 """
-from oracle.validate import QSAInputError
+import ctypes as _ctypes
+import os as _os
+import sys as _sys
 
-from .attention import page4_attention, page4_plan, sparse_attention
-from .prefill import Workspace, qsa_prefill
-from .selection import expand_tokens, index_keys, index_queries, index_scores, select, topk_groups
+
+def _choose_backend():
+    """No CUDA driver and no explicit choice: run in the numba CUDA simulator, saying so in one line.
+
+    Must run before numba.cuda is first imported (numba reads ``NUMBA_ENABLE_CUDASIM`` then).
+    ``NUMBA_ENABLE_CUDASIM=0`` asks for the GPU and never falls back.
+    """
+    if "NUMBA_ENABLE_CUDASIM" in _os.environ or "numba.cuda" in _sys.modules:
+        return
+    try:
+        _ctypes.CDLL("libcuda.so.1")
+        return
+    except OSError:
+        pass
+    _os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    print("numqsa: no CUDA driver found, running in the numba CUDA simulator (slow; small problems "
+          "only; set NUMBA_ENABLE_CUDASIM=0 to require a GPU)", file=_sys.stderr)
+
+
+_choose_backend()
+
+from oracle.validate import QSAInputError  # noqa: E402
+
+from .attention import page4_attention, page4_plan, sparse_attention  # noqa: E402
+from .prefill import Workspace, qsa_prefill  # noqa: E402
+from .metadata import rows_from_query_start_loc, tables_from_paged_indptr  # noqa: E402
+from .wrapper import QSAPrefillWrapper  # noqa: E402
+from .selection import expand_tokens, index_keys, index_queries, index_scores, select, topk_groups  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "QSAInputError", "index_keys", "index_queries", "index_scores", "topk_groups",
     "expand_tokens", "select", "page4_plan", "sparse_attention", "page4_attention", "qsa_prefill",
-    "Workspace",
+    "Workspace", "QSAPrefillWrapper", "rows_from_query_start_loc", "tables_from_paged_indptr",
 ]

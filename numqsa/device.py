@@ -1,8 +1,10 @@
 """Arrays and streams at the API boundary: NumPy in/out, zero-copy CUDA arrays, foreign streams.
 
 NumPy inputs are copied to the device and results copied back; numba device arrays, PyTorch and CuPy
-CUDA tensors (anything with ``__cuda_array_interface__``; numba-cuda 0.30 has no DLPack import) are
-used in place, strides included.
+CUDA tensors (anything with ``__cuda_array_interface__``) and DLPack producers (read through
+``cuda.core``'s ``StridedMemoryView``) are used in place, strides included. Results come back in the
+caller's framework (:func:`array_kind`, :func:`new_array`): torch in, torch out; CuPy in, CuPy out;
+NumPy in, NumPy out; numba (or DLPack) in, numba out.
 """
 import os
 
@@ -12,7 +14,11 @@ from numba import cuda
 from .jit import SIMULATOR
 from .plan import PROFILES
 
-__all__ = ["resolve_stream", "as_device", "device_cc", "host_like", "empty", "is_host"]
+__all__ = ["resolve_stream", "as_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
+           "as_numba", "describe", "new_array", "current_stream_handle", "stream_handle",
+           "host_int32", "ints"]
+
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def resolve_stream(stream=None):
@@ -35,18 +41,132 @@ def is_host(x):
     return isinstance(x, np.ndarray)
 
 
-def as_device(x, stream):
+def array_kind(x, name="array"):
+    """``"numpy"``, ``"torch"``, ``"cupy"``, ``"numba"`` or ``"cuda"`` (any other
+    ``__cuda_array_interface__`` / DLPack producer), or a :class:`QSAInputError` that says why not."""
+    from oracle.validate import QSAInputError
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        if not x.is_cuda:
+            raise QSAInputError(f"{name} is a CPU torch tensor: pass {name}.cuda() (used in place "
+                                f"from then on) or {name}.numpy() (copied in and out)")
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if hasattr(x, "copy_to_host") and hasattr(x, "copy_to_device"):
+        return "numba"
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+        return "cuda"
+    if isinstance(x, (list, tuple)):
+        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
+                            f"(np.asarray({name}, dtype=...) or a CUDA tensor)")
+    raise QSAInputError(f"{name} is a {type(x).__name__}; expected a NumPy array or a CUDA array "
+                        f"(torch, CuPy, numba, __cuda_array_interface__ or DLPack)")
+
+
+class _CAI:
+    """A ``__cuda_array_interface__`` holder for a DLPack producer seen through StridedMemoryView."""
+
+    def __init__(self, view, owner):
+        itemsize = np.dtype(view.dtype).itemsize
+        strides = None if view.strides is None else tuple(int(s) * itemsize for s in view.strides)
+        self.__cuda_array_interface__ = {"data": (int(view.ptr), False), "shape": tuple(view.shape),
+                                         "strides": strides, "typestr": np.dtype(view.dtype).str,
+                                         "version": 3, "stream": None}
+        self.owner = owner
+
+
+def as_numba(x, name="array"):
+    """A numba device array viewing ``x`` (no copy); NumPy arrays are refused here."""
+    kind = array_kind(x, name)
+    if kind == "numba":
+        return x
+    if kind == "numpy":
+        raise TypeError("as_numba views device memory; copy NumPy arrays with as_device")
+    if not SIMULATOR and not hasattr(x, "__cuda_array_interface__") and hasattr(x, "__dlpack__"):
+        from cuda.core.utils import StridedMemoryView
+        x = _CAI(StridedMemoryView(x, stream_ptr=-1), x)
+    # No synchronisation on the producer's stream: every launch goes on the caller's stream,
+    # where the inputs must be ready (as for any stream-ordered op); a sync here would also
+    # break CUDA-graph capture.
+    return cuda.as_cuda_array(x, sync=False)
+
+
+def as_device(x, stream, name="array"):
     """``(device_array, was_host)``: NumPy is copied (made contiguous first), CUDA arrays are viewed."""
     if isinstance(x, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(x), stream=stream), True
-    if hasattr(x, "copy_to_host") and hasattr(x, "copy_to_device"):   # numba (or simulator) array
-        return x, False
-    if hasattr(x, "__cuda_array_interface__"):                          # PyTorch, CuPy, ...
-        # No synchronisation on the producer's stream: every launch goes on the caller's stream,
-        # where the inputs must be ready (as for any stream-ordered op); a sync here would also
-        # break CUDA-graph capture.
-        return cuda.as_cuda_array(x, sync=False), False
-    raise TypeError(f"expected a NumPy array or a CUDA array, got {type(x).__name__}")
+    return as_numba(x, name), False
+
+
+def describe(x, kind):
+    """``(data pointer, layout key)`` of a device array, cheaply (the plan/run hot path).
+
+    The key holds dtype, shape, strides and the pointer's alignment: whatever a launcher may route on.
+    """
+    if kind == "torch":
+        p = x.data_ptr()
+        return p, (x.dtype, x.shape, x.stride(), p & 15)
+    if kind == "numba":
+        if SIMULATOR:
+            p = int(x._ary.__array_interface__["data"][0])
+            return p, (x.dtype, x.shape, x._ary.strides, p & 15)
+        p = x.device_ctypes_pointer.value or 0
+        return p, (x.dtype, x.shape, x.strides, p & 15)
+    if kind == "cupy":
+        p = x.data.ptr
+        return p, (x.dtype, x.shape, x.strides, p & 15)
+    cai = as_numba(x).__cuda_array_interface__
+    p = int(cai["data"][0])
+    return p, (cai["typestr"], tuple(cai["shape"]), cai.get("strides"), p & 15)
+
+
+_TORCH_DTYPES = {}
+
+
+def new_array(kind, shape, dtype, like, stream):
+    """A fresh uninitialised array in the caller's framework (``kind`` of :func:`array_kind`)."""
+    dtype = np.dtype(dtype)
+    if kind == "torch":
+        import torch
+        td = _TORCH_DTYPES.get(dtype)
+        if td is None:
+            td = _TORCH_DTYPES[dtype] = getattr(torch, dtype.name)
+        return torch.empty(tuple(shape), dtype=td, device=like.device)
+    if kind == "cupy":
+        import cupy
+        return cupy.empty(tuple(shape), dtype=dtype)
+    if kind == "numpy":
+        return np.empty(tuple(shape), dtype)
+    return cuda.device_array(tuple(shape), dtype=dtype, stream=stream)
+
+
+def current_stream_handle(kind, like=None):
+    """The caller's framework's current stream as a raw handle (0: the legacy default stream)."""
+    if kind == "torch":
+        import torch
+        return int(torch.cuda.current_stream(like.device).cuda_stream)
+    if kind == "cupy":
+        import cupy
+        return int(cupy.cuda.get_current_stream().ptr)
+    return 0
+
+
+def stream_handle(stream):
+    """A raw ``cudaStream_t`` from None/0, a numba stream, a raw handle or a torch/CuPy stream."""
+    if stream is None:
+        return 0
+    for attr in ("cuda_stream", "ptr"):              # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    if SIMULATOR:
+        return 0
+    if hasattr(stream, "handle"):                    # numba stream
+        h = stream.handle
+        return int(h.value or 0) if hasattr(h, "value") else int(h)
+    return int(stream)
 
 
 def host_like(result, was_host, stream):
@@ -81,35 +201,73 @@ def float_dtype(x, name):
     return dt
 
 
-def ints(x, stream):
-    """Device int32 array of a small integer array (int64 inputs are converted on the host)."""
-    from oracle.validate import dtype_name, host_ints
-    if dtype_name(x) != "int32":
-        x = host_ints(x).astype(np.int32)
-    return as_device(x, stream)[0]
+def host_int32(x, name):
+    """A host int32 copy of a host integer array; values outside int32 are refused, never wrapped."""
+    from oracle.validate import QSAInputError
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise QSAInputError(f"{name} has dtype {a.dtype}; expected int32 or int64")
+    if a.dtype != np.int32 and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < INT32_MIN or hi > INT32_MAX:
+            bad = lo if lo < INT32_MIN else hi
+            at = np.unravel_index(int(np.argmax(a == bad)), a.shape)
+            at = at[0] if len(at) == 1 else tuple(int(i) for i in at)
+            raise QSAInputError(f"{name}[{at}] = {bad} is outside int32 (numqsa indexes with int32, "
+                                f"|value| < 2^31); int64 values that large would be wrapped, so they "
+                                f"are refused")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def ints(x, stream, name="index array"):
+    """Device int32 array of a small integer array.
+
+    Host arrays are range-checked (:func:`host_int32`) and copied; device int32 arrays are used in
+    place; device int64 arrays are converted on the device with saturation (no host read), which keeps
+    their meaning under spec §1: an id beyond int32 stays out of range (inert row, invalid page), a
+    position beyond it stays past the end (clamped), a negative one stays negative (inert).
+    """
+    from oracle.validate import dtype_name
+    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)):
+        return as_device(host_int32(x, name), stream)[0]
+    d = as_device(x, stream)[0]
+    if dtype_name(d) == "int32":
+        return d
+    from .kernels.convert import launch_saturate_int32
+    out = empty(d.shape, np.int32, stream)
+    return launch_saturate_int32(d, out, stream)
 
 
 def out_buffer(out, shape, dtype, stream, name):
-    """A caller's output buffer after a shape/dtype check, or a fresh device array."""
+    """A caller's output buffer after a shape/dtype check, or a fresh device array.
+
+    A NumPy ``out`` gets a device stand-in (contiguous); :func:`finish` copies the result into the
+    caller's array, whatever its strides.
+    """
     from oracle.validate import QSAInputError, dtype_name
     if out is None:
         return empty(shape, dtype, stream)
     want = np.dtype(dtype).name
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise QSAInputError(f"out for {name} must be an array ({want} {tuple(shape)}), got "
+                            f"{type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or dtype_name(out) != want:
         raise QSAInputError(f"out for {name} must be {want} {tuple(shape)}, got "
                             f"{dtype_name(out)} {tuple(out.shape)}")
+    if isinstance(out, np.ndarray):
+        return empty(shape, dtype, stream)
     return as_device(out, stream)[0]
 
 
 def finish(result, was_host, out, stream):
-    """NumPy back for NumPy callers (into ``out`` if that was a NumPy array), else the device array."""
+    """The caller's ``out`` if one was given (a NumPy ``out`` is written, any strides), NumPy back
+    for NumPy callers, else the device array."""
+    if isinstance(out, np.ndarray):
+        out[...] = host_like(result, True, stream)
+        return out
     if not was_host:
         return result
-    host = host_like(result, True, stream)
-    if isinstance(out, np.ndarray):
-        out[...] = host
-        return out
-    return host
+    return host_like(result, True, stream)
 
 
 _CONSTANTS = {}

@@ -1,92 +1,145 @@
-"""The whole QSA prefill in one call: selection, then sparse attention, on the caller's stream.
+"""The whole QSA prefill in one call: a thin layer over :class:`numqsa.QSAPrefillWrapper`.
 
-Repeated calls at fixed shapes allocate nothing when given a :class:`Workspace` (and, for the outputs,
-``out=`` buffers or the workspace's own). That is also what CUDA-graph capture needs; see
-:func:`qsa_prefill`'s docstring for the recipe.
+Each call plans the batch and runs one layer on a wrapper kept per geometry, stream and thread (or in
+the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches.
 """
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
 import numpy as np
 
 from oracle import validate as V
 
 from . import device as dev
-from .attention import sparse_attention
-from .selection import select, select_chunk_rows
+from .wrapper import QSAPrefillWrapper, check_geometry_int
 
 __all__ = ["qsa_prefill", "Workspace"]
 
 
 class Workspace:
-    """Device buffers reused across :func:`qsa_prefill` calls.
+    """Keeps a wrapper (its buffers and prepared launches) and the outputs across calls.
 
-    A buffer is allocated the first time a call needs it and reused while later calls need the same
-    shape and dtype, so a second call of the same shapes allocates no device memory.
+    With a workspace, :func:`qsa_prefill` writes its results into buffers kept here (reused while
+    the shapes stay the same: a second call of the same shapes allocates no device memory); the
+    arrays a call returns are therefore overwritten by the next call.
     """
 
     def __init__(self):
-        self._buffers = {}
+        self._wrappers = {}
+        self._outs = {}
 
-    def buffer(self, name, shape, dtype, stream):
-        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        buf = self._buffers.get(name)
-        if buf is None or tuple(buf.shape) != shape or np.dtype(buf.dtype) != dtype:
-            buf = dev.empty(shape, dtype, stream)
-            self._buffers[name] = buf
-        return buf
+    def outputs(self, key, specs, like_kind, like, stream):
+        bufs = self._outs.get(key)
+        if bufs is None or [tuple(b.shape) for b in bufs] != [tuple(s) for _, s, _ in specs]:
+            kind = "numba" if like_kind == "numpy" else like_kind
+            bufs = self._outs[key] = tuple(dev.new_array(kind, s, dt, like, stream)
+                                           for _, s, dt in specs)
+        return bufs
 
     @property
     def nbytes(self):
-        return sum(b.size * np.dtype(b.dtype).itemsize for b in self._buffers.values())
+        total = sum(w._ws.nbytes for w in self._wrappers.values())
+        return total + sum(int(np.prod(b.shape)) * np.dtype(str(b.dtype).replace("torch.", "")).itemsize
+                           for bufs in self._outs.values() for b in bufs)
 
 
-def qsa_prefill(qi, index_cache, index_block_table, q, k_cache, v_cache, block_table, req_ids,
-                positions, seq_lens, *, Kb=512, r=4, scale=None, out_dtype=None, out=None,
-                workspace=None, num_groups=None, validate=True, stream=None):
+_CACHE = {}
+
+
+def _wrapper(key, workspace, **geometry):
+    store = _CACHE if workspace is None else workspace._wrappers
+    w = store.get(key)
+    if w is None:
+        if len(store) > 32:
+            store.clear()
+        w = store[key] = QSAPrefillWrapper(**geometry)
+    return w
+
+
+def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cache: Any,
+                v_cache: Any, block_table: Any, req_ids: Any, positions: Any, seq_lens: Any, *,
+                Kb: int = 512, r: int = 4, scale: Optional[float] = None, out_dtype: Any = None,
+                out: Optional[tuple] = None, workspace: Optional["Workspace"] = None,
+                num_groups: Optional[int] = None, validate: Optional[bool] = None,
+                stream: Any = None) -> tuple:
     """``(out, lse, tokens, counts)``: each row attends to its top-``Kb`` groups plus its tail.
 
     Mirrors :func:`oracle.qsa_prefill`. ``qi [rows, Hi, Di]`` are finished index queries (after norm
-    and RoPE) and the index cache holds finished compressed keys; ``q [rows, Hq, D]`` and the paged
-    ``k_cache``/``v_cache`` as in :func:`numqsa.sparse_attention`. The selection stays on the device.
+    and RoPE) and the index cache ``[idx_pages, R, Di]`` holds finished compressed keys;
+    ``q [rows, Hq, D]``; ``k_cache``/``v_cache [num_pages, page_size, Hkv, D]`` (any strides).
 
-    Arrays: NumPy inputs give NumPy outputs (copied in and out). numba device arrays and PyTorch or
-    CuPy CUDA tensors are used in place (no copies; any strides for the caches) and the results are
-    numba device arrays (``torch.as_tensor(x, device="cuda")`` wraps one without a copy), or the
-    caller's own ``out=(out, lse)`` buffers. ``stream`` takes a numba stream, a raw ``cudaStream_t``
-    or a torch/CuPy stream; every launch goes on it.
+    Arrays come back as they came in (``q``'s framework): NumPy in, NumPy out (copied in and out);
+    torch/CuPy/numba CUDA arrays are used in place and fresh arrays of the same framework are
+    returned, or the caller's ``out=(out, lse)`` / ``(out, lse, tokens, counts)`` buffers are
+    written (NumPy buffers too, any strides). ``stream`` (numba stream, raw handle, torch/CuPy
+    stream) defaults to the current stream of ``q``'s framework.
 
-    Repeated calls: pass ``workspace=Workspace()`` (scores, selection and output buffers are kept in
-    it) and ``num_groups`` (the score width ``max(seq_lens) // r``, else read from ``seq_lens`` with a
-    device-to-host copy); with ``validate=False`` the host-side checks of page tables are skipped too.
-    Then a call allocates no device memory and never synchronises, so it can be captured in a CUDA
-    graph: run it once eagerly (compiles the kernels), then capture the same call on a side stream,
-    e.g. with ``torch.cuda.graph(g, stream=s)`` and ``stream=s``, and ``g.replay()`` after writing new
-    inputs into the same buffers. Padding rows of a fixed-size batch are made inert (``req_ids = -1``).
+    ``validate`` (see :meth:`QSAPrefillWrapper.plan`): None (default) checks metadata that is on the
+    host and never synchronises for device metadata; True also reads device tables back once.
+    ``num_groups`` is the score width (``max(seq_lens) // r`` when ``seq_lens`` is on the host; for
+    device ``seq_lens`` the index table's capacity unless given). Every check runs before any launch.
+    Repeated calls of one layout reuse prepared launches; for the fastest path build a
+    :class:`numqsa.QSAPrefillWrapper` once and call ``plan`` / ``run`` yourself.
     """
-    stream = dev.resolve_stream(stream)
-    was_host = dev.is_host(q)
-    arrays = [qi, index_cache, index_block_table, q, k_cache, v_cache, block_table, req_ids,
-              positions, seq_lens]
-    (qi, index_cache, index_block_table, q, k_cache, v_cache, block_table, req_ids, positions,
-     seq_lens) = [dev.as_device(a, stream)[0] for a in arrays]
-    rows = int(q.shape[0])
-    if num_groups is None:
-        lens = V.host_ints(seq_lens)
-        num_groups = int(lens.max()) // r if lens.size else 0
-    sel_out, scores = None, None
-    if workspace is not None:
-        width = Kb * r + r - 1
-        sel_out = (workspace.buffer("tokens", (rows, width), np.int32, stream),
-                   workspace.buffer("counts", (rows,), np.int32, stream),
-                   workspace.buffer("groups", (rows, Kb), np.int32, stream))
-        chunk = select_chunk_rows(rows, num_groups)
-        scores = workspace.buffer("scores", (max(1, chunk * max(num_groups, 1)),), np.float32, stream)
-        if out is None:
-            od = np.dtype(out_dtype or dev.float_dtype(q, "q"))
-            out = (workspace.buffer("out", tuple(q.shape), od, stream),
-                   workspace.buffer("lse", (rows, q.shape[1]), np.float32, stream))
-    tokens, counts, _ = select(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
-                               Kb=Kb, r=r, out=sel_out, workspace=scores, num_groups=num_groups,
-                               validate=validate, stream=stream)
-    o, lse = sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens,
-                              scale=scale, r=r, out_dtype=out_dtype, out=out, workspace=workspace,
-                              validate=validate, stream=stream)
-    return tuple(dev.host_like(x, was_host, stream) for x in (o, lse, tokens, counts))
+    for x, n, dims in ((qi, "qi", "[rows, Hi, Di]"), (q, "q", "[rows, Hq, D]"),
+                       (k_cache, "k_cache", "[num_pages, page_size, Hkv, D]")):
+        dev.array_kind(x, n)
+        V._rank(x, n, len(dims.split(",")), dims)
+    Kb = check_geometry_int(Kb, "Kb")
+    r = check_geometry_int(r, "r")
+    from .wrapper import _kernel_dtype
+    qd = _kernel_dtype(q, "q", dev.array_kind(q, "q"))
+    qid = _kernel_dtype(qi, "qi", dev.array_kind(qi, "qi"))
+    if out_dtype is not None:
+        try:
+            out_dtype = np.dtype(out_dtype).name
+        except TypeError:
+            raise V.QSAInputError(f"out_dtype {out_dtype!r} is not a dtype") from None
+    geometry = dict(Hi=int(qi.shape[1]), Di=int(qi.shape[2]), Hq=int(q.shape[1]),
+                    Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=_kd(qd),
+                    index_dtype=_kd(qid), out_dtype=_kd(out_dtype or qd), scale=scale)
+    ks = tuple(k_cache.shape)
+    if geometry["Hq"] % ks[2] and not geometry["Hq"] % ks[1] and ks[3] == geometry["D"]:
+        raise V.QSAInputError(
+            f"k_cache has shape {ks}, which looks head-major [num_pages, Hkv, page_size, D]; pass "
+            f"k_cache.transpose(1, 2) (a view: no copy) so it reads [num_pages, page_size, Hkv, D]")
+    if geometry["Hq"] % geometry["Hkv"]:
+        raise V.QSAInputError(f"Hq = {geometry['Hq']} is not a positive multiple of Hkv = "
+                              f"{geometry['Hkv']}")
+    lead_kind = dev.array_kind(q, "q")
+    handle = (dev.current_stream_handle(lead_kind, q) if stream is None
+              else dev.stream_handle(stream))
+    key = (tuple(sorted(geometry.items(), key=lambda kv: kv[0])), handle, threading.get_ident())
+    w = _wrapper(key, workspace, **geometry)
+    w.plan(req_ids, positions, seq_lens, block_table, index_block_table, num_groups=num_groups,
+           validate=validate, stream=handle)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) not in (2, 4):
+            raise V.QSAInputError("out must be a tuple (out, lse) or (out, lse, tokens, counts)")
+        if len(out) == 2:
+            out = tuple(out) + _fresh_selection(w, lead_kind, q, workspace, key)
+    elif workspace is not None:
+        specs = [("out", (w._rows, w.Hq, w.D), w.out_dtype), ("lse", (w._rows, w.Hq), "float32"),
+                 ("tokens", (w._rows, w.width), "int32"), ("counts", (w._rows,), "int32")]
+        out = workspace.outputs(key, specs, lead_kind, q, dev.resolve_stream(handle))
+    result = w.run(qi, index_cache, q, k_cache, v_cache, out=out, return_selection=True,
+                   stream=handle)
+    if lead_kind == "numpy" and workspace is not None:
+        s = dev.resolve_stream(handle)
+        result = tuple(dev.host_like(x, True, s) if not isinstance(x, np.ndarray) else x
+                       for x in result)
+    return result
+
+
+def _kd(name):
+    """dtype names as the wrapper takes them (its own checks give the messages)."""
+    return "float32" if name in ("bfloat16",) else name
+
+
+def _fresh_selection(w, kind, like, workspace, key):
+    shapes = (((w._rows, w.width), "int32"), ((w._rows,), "int32"))
+    if kind == "numpy":
+        return tuple(np.empty(s, dt) for s, dt in shapes)
+    return tuple(dev.new_array(kind, s, dt, like, None) for s, dt in shapes)

@@ -61,6 +61,7 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     (a NumPy cache is updated in place too). Pooling in float32; ``emulate_dtype=float16`` rounds the
     mean to float16 before the norm, as the serving engines' references do.
     """
+    V.check_array(w_k, "w_k")
     s = V._rank(k_raw, "k_raw", 3, "[G, r, Di]")
     G, r, di = s
     dev.float_dtype(k_raw, "k_raw")
@@ -110,6 +111,7 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
 
     Shapes: ``q_raw [rows, Hi, Di]`` -> ``[rows, Hi, Di]`` in ``q_raw``'s dtype (float32 math).
     """
+    V.check_array(w_q, "w_q")
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     s = V._rank(q_raw, "q_raw", 3, "[rows, Hi, Di]")
     dt = dev.float_dtype(q_raw, "q_raw")
@@ -173,6 +175,8 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
                                    seq_lens, r)
     if num_groups is None:
         num_groups = _default_groups(seq_lens, r)
+    else:
+        num_groups = V.check_int(num_groups, "num_groups", 0)
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(qi)
     scores = dev.out_buffer(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
@@ -194,8 +198,7 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     s = V._rank(scores, "scores", 2, "[rows, groups]")
     if s[0] != rows:
         raise V.QSAInputError(f"scores must be [rows={rows}, groups], got shape {s}")
-    if Kb < 1:
-        raise V.QSAInputError(f"Kb must be >= 1, got {Kb}")
+    Kb = V.check_kb(Kb)
     _, _, _, nb = row_states(V.host_ints(req_ids), V.host_ints(positions), V.host_ints(seq_lens), r)
     if nb.size and int(nb.max()) > s[1]:
         raise V.QSAInputError(f"scores has {s[1]} groups but a row sees {int(nb.max())}")
@@ -281,9 +284,15 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     """
     r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
                                    seq_lens, r, validate)
-    if Kb < 1:
-        raise V.QSAInputError(f"Kb must be >= 1, got {Kb}")
-    G = _default_groups(seq_lens, r) if num_groups is None else int(num_groups)
+    Kb = V.check_kb(Kb)
+    if num_groups is None:
+        G = _default_groups(seq_lens, r)
+    else:
+        G = V.check_int(num_groups, "num_groups", 0)
+        if isinstance(seq_lens, np.ndarray) and G < _default_groups(seq_lens, r):
+            raise V.QSAInputError(
+                f"num_groups = {G} is below the longest request's {_default_groups(seq_lens, r)} "
+                f"groups (max(seq_lens) // r); pass num_groups >= max(seq_lens) // r or leave it out")
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(qi)
     out_t, out_c, out_g = out if out is not None else (None, None, None)
@@ -292,8 +301,9 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     groups = dev.out_buffer(out_g, (rows, int(Kb)), np.int32, stream, "groups")
     d_qi = dev.as_device(qi, stream)[0]
     d_ic = dev.as_device(index_cache, stream)[0]
-    d_ibt = dev.ints(index_block_table, stream)
-    req, pos, lens = dev.ints(req_ids, stream), dev.ints(positions, stream), dev.ints(seq_lens, stream)
+    d_ibt = dev.ints(index_block_table, stream, "index_block_table")
+    req, pos, lens = (dev.ints(req_ids, stream, "req_ids"), dev.ints(positions, stream, "positions"),
+                      dev.ints(seq_lens, stream, "seq_lens"))
     prof = plan_select(rows, G, dev.device_cc()).profile
     chunk = select_chunk_rows(rows, G, score_bytes)
     width = max(G, 1)

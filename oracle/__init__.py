@@ -1,7 +1,7 @@
 """The float64 NumPy oracle of QSA: what every numqsa kernel is checked against.
 
 It mirrors ``numqsa``'s public API name for name; it never imports numba. Each function's docstring
-gives the definition (``QSA_SPEC.md``) and the minimal FLOP and byte counts used by ``bench/``.
+gives the definition (``docs/contract.md``) and the minimal FLOP and byte counts used by ``bench/``.
 Decisions where the spec is silent are written in the docstrings.
 """
 from .attention import page4_attention, page4_plan, sparse_attention

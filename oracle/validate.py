@@ -11,6 +11,7 @@ import numpy as np
 __all__ = [
     "QSAInputError", "dtype_name", "host_ints", "check_batch", "check_table", "check_kv",
     "check_q", "check_index_cache", "check_index_q", "check_selection", "check_tokens", "check_r",
+    "check_kb", "check_int", "check_array",
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -18,7 +19,7 @@ INT_DTYPES = ("int32", "int64")
 
 
 class QSAInputError(ValueError):
-    """A QSA input violates the contract of ``QSA_SPEC.md``."""
+    """A QSA input violates the contract of ``docs/contract.md``."""
 
 
 def dtype_name(x):
@@ -42,6 +43,7 @@ def host_ints(x):
 
 
 def _rank(x, name, ndim, dims):
+    check_array(x, name)
     shape = tuple(getattr(x, "shape", ()))
     if len(shape) != ndim:
         raise QSAInputError(f"{name} must have rank {ndim} {dims}, got shape {shape}")
@@ -55,10 +57,42 @@ def _dtype(x, name, allowed):
     return dt
 
 
+def check_int(value, name, lo=1, hi=None):
+    """A plain integer argument in ``[lo, hi]`` (bools and floats refused), else a clear error."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        hint = f" (use {int(value)})" if isinstance(value, float) and float(value).is_integer() else ""
+        raise QSAInputError(f"{name} must be an integer, got {value!r} ({type(value).__name__}){hint}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise QSAInputError(f"{name} = {value} is out of range: it must be {rng}")
+    return value
+
+
+#: Largest accepted ``r`` and ``Kb``: above them the selection buffers alone
+#: (rows x (Kb*r + r - 1) x 4 bytes) would be a runaway allocation, not a QSA problem.
+MAX_R = 1 << 10
+MAX_KB = 1 << 20
+
+
 def check_r(r):
-    if int(r) < 1:
-        raise QSAInputError(f"compress ratio r must be >= 1, got {r}")
-    return int(r)
+    """The compress ratio: an integer in 1..1024."""
+    return check_int(r, "compress ratio r", 1, MAX_R)
+
+
+def check_kb(Kb):
+    """Selected groups per row: an integer in 1..2^20 (a selection of 4M tokens)."""
+    return check_int(Kb, "Kb", 1, MAX_KB)
+
+
+def check_array(x, name):
+    """``x`` has ``shape`` and ``dtype`` (Python lists and scalars get a message saying so)."""
+    if isinstance(x, (list, tuple)):
+        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
+                            f"(np.asarray({name}, dtype=...))")
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise QSAInputError(f"{name} is a {type(x).__name__}; expected an array")
+    return x
 
 
 def check_batch(req_ids, positions, seq_lens):

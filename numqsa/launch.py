@@ -1,0 +1,327 @@
+"""Prepared launches: record a stage's kernel launches once, then replay them with new array pointers.
+
+Why: numba's dispatcher marshals every argument on every launch (about 5 us per array argument on
+the H200); a QSA layer launches 4-6 kernels with 10-17 arrays each. A :class:`Program` does that
+work once and then each replay only writes the changed pointers into a prepared parameter buffer
+and calls ``cuLaunchKernel`` (``cuda.bindings``, which numba-cuda already depends on).
+
+Contract for a stage launcher (``numqsa/kernels/*.py`` ``launch_*``):
+
+1. It launches only through :func:`launch` ``(kernel, grid, block, stream, args, smem)`` (a plain
+   ``kernel[grid, block, stream, smem](*args)`` is caught too, through the same hook, so launchers
+   not yet converted still record).
+2. Everything it decides on the host -- routes, grids, shared memory, derived views -- comes from
+   shapes, strides, dtypes, the pointer's 16-byte alignment (``ptr % 16``), the launch profile and the
+   environment; never from array *values* and never from a device-to-host copy.
+3. Buffers it needs come from its arguments, a workspace, or :func:`numqsa.device.constant`; a
+   temporary it allocates itself is kept alive by the recording (it is one of the recorded args).
+4. Any array argument it derives from an input (a slice, a reshaped or retyped view) keeps a fixed
+   byte offset from that input for a fixed layout.
+
+Under :func:`recording` nothing is launched: each launch is appended to a list as a
+:class:`Record` ``(kernel, grid, block, smem, args, callbacks)``. :class:`Program` turns records
+plus the caller's "input" arrays (those whose memory may change between replays) into a replayable
+sequence: array arguments that lie inside an input's memory are re-based on each replay; all other
+arguments are frozen. On a GPU the replay is ``cuLaunchKernel`` with a prepared ``void**``; in the
+numba CUDA simulator (no driver) it rebuilds the views and calls the dispatcher, as it does on a GPU
+when ``NUMQSA_PREPARED_LAUNCH=0`` (for comparisons) or when an argument kind is not understood.
+"""
+import ctypes
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from .jit import SIMULATOR
+
+__all__ = ["Record", "launch", "recording", "Program", "array_span"]
+
+_state = threading.local()
+
+
+@dataclass
+class Record:
+    kernel: object          # numba dispatcher (or the simulator's FakeCUDAKernel)
+    grid: tuple
+    block: tuple
+    smem: int
+    args: tuple
+    callbacks: tuple = ()   # numba pre-launch callbacks (e.g. the >48 KB shared-memory opt-in)
+    config: object = None
+
+
+def _recording():
+    return getattr(_state, "records", None)
+
+
+def launch(kernel, grid, block, stream, args, smem=0):
+    """Launch ``kernel[grid, block, stream, smem](*args)`` now, or record it inside :func:`recording`."""
+    return kernel[grid, block, stream, smem](*args)
+
+
+def _norm3(d):
+    d = tuple(d) if isinstance(d, tuple) else (d,)
+    return tuple(int(x) for x in d) + (1,) * (3 - len(d))
+
+
+_HOOKED = []
+
+
+def _install_hook():
+    """Wrap numba's launch entry (once) so a thread inside :func:`recording` records instead."""
+    if _HOOKED:
+        return
+    if SIMULATOR:
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+        original = FakeCUDAKernel.__call__
+
+        def call(self, *args):
+            records = _recording()
+            if records is None or self._device:
+                return original(self, *args)
+            records.append(Record(self, _norm3(self.grid_dim), _norm3(self.block_dim),
+                                  int(self.dynshared_size or 0), args))
+        FakeCUDAKernel.__call__ = call
+    else:
+        from numba.cuda.dispatcher import _LaunchConfiguration
+        original = _LaunchConfiguration.__call__
+
+        def call(self, *args):
+            records = _recording()
+            if records is None:
+                return original(self, *args)
+            records.append(Record(self.dispatcher, _norm3(self.griddim), _norm3(self.blockdim),
+                                  int(self.sharedmem or 0), args, tuple(self.pre_launch_callbacks),
+                                  self))
+        _LaunchConfiguration.__call__ = call
+    _HOOKED.append(original)
+
+
+@contextmanager
+def recording():
+    """``with recording() as records:`` -- launches on this thread are recorded, not run."""
+    _install_hook()
+    prev = _recording()
+    _state.records = records = []
+    try:
+        yield records
+    finally:
+        _state.records = prev
+
+
+# ------------------------------------------------------------------------------------------------
+# Array facts: pointer and byte span, for numba device arrays (real or simulated)
+# ------------------------------------------------------------------------------------------------
+
+def _host_of(a):
+    """The NumPy array behind a simulator device array (or a NumPy array itself)."""
+    return a if isinstance(a, np.ndarray) else getattr(a, "_ary", None)
+
+
+def array_span(a):
+    """``(ptr, lo, hi)``: data pointer and the byte range ``[lo, hi)`` the array can touch."""
+    if SIMULATOR:
+        h = _host_of(a)
+        ptr = int(h.__array_interface__["data"][0])
+        shape, strides, itemsize = h.shape, h.strides, h.itemsize
+    else:
+        # numba's own fields: its __cuda_array_interface__ fails for arrays allocated on an
+        # external stream (numba-cuda 0.30.4, seen on the H200)
+        ptr = int(a.device_ctypes_pointer.value or 0)
+        shape, strides = tuple(a.shape), tuple(a.strides)
+        itemsize = np.dtype(a.dtype).itemsize
+    if any(n == 0 for n in shape):
+        return ptr, ptr, ptr
+    lo = ptr + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = ptr + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + itemsize
+    return ptr, lo, hi
+
+
+def _is_array(x):
+    return hasattr(x, "shape") and hasattr(x, "dtype") and (
+        hasattr(x, "device_ctypes_pointer") or hasattr(x, "_ary"))
+
+
+def _locate(a, spans):
+    """``(input index, byte offset)`` of array ``a`` inside one of ``spans``, or None (frozen).
+
+    An array inside several inputs (views of one allocation, e.g. ``kv[:, 0]`` and ``kv[:, 1]``) is
+    attributed to the input starting exactly at its pointer, else the nearest one starting below it;
+    :class:`Program` keys such inputs' pointer differences, so any attribution replays the same.
+    """
+    ptr, lo, hi = array_span(a)
+    if hi == lo:
+        return None
+    cands = [j for j, (p, l, h) in enumerate(spans) if h > l and l <= ptr < h]
+    if not cands:
+        return None
+    exact = [j for j in cands if spans[j][0] == ptr]
+    below = [j for j in cands if spans[j][0] <= ptr]
+    best = exact[0] if exact else (max(below, key=lambda j: spans[j][0]) if below else cands[0])
+    return None if best is None else (best, ptr - spans[best][0])
+
+
+def overlapping_pairs(spans):
+    """Pairs of inputs whose byte ranges overlap (their pointer difference is part of a layout)."""
+    out = []
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            (_, li, hi), (_, lj, hj) = spans[i], spans[j]
+            if li < hj and lj < hi and hi > li and hj > lj:
+                out.append((i, j))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Replay
+# ------------------------------------------------------------------------------------------------
+
+class Program:
+    """A recorded launch sequence, replayable with new input pointers.
+
+    ``inputs`` are the numba device arrays the records were made with whose memory may change
+    between replays (per-layer tensors, caller-owned outputs, caller-owned metadata). Replay with
+    :meth:`__call__` ``(ptrs, stream_handle, views)``: ``ptrs`` the new data pointers in input order;
+    ``views`` (simulator / fallback only) the new input arrays themselves.
+    """
+
+    def __init__(self, records, inputs):
+        self.records = list(records)
+        spans = [array_span(x) for x in inputs]
+        self.base_ptrs = [s[0] for s in spans]
+        self.pairs = overlapping_pairs(spans)
+        # per record: list of (arg index, input index, byte offset, array)
+        self.patches = []
+        for rec in self.records:
+            pts = []
+            for k, a in enumerate(rec.args):
+                if _is_array(a):
+                    loc = _locate(a, spans)
+                    if loc is not None:
+                        pts.append((k, loc[0], loc[1], a))
+            self.patches.append(pts)
+        self.fast = False
+        self.fallback_reason = "simulator" if SIMULATOR else ""
+        if not SIMULATOR and os.environ.get("NUMQSA_PREPARED_LAUNCH", "1").strip() == "0":
+            self.fallback_reason = "NUMQSA_PREPARED_LAUNCH=0"
+        elif not SIMULATOR:
+            try:
+                self._prepare_params()
+                self.fast = True
+            except Exception as err:        # unknown argument kind: replay through the dispatcher
+                self.fallback_reason = f"{type(err).__name__}: {err}"
+
+    @property
+    def num_launches(self):
+        return len(self.records)
+
+    # -- GPU: one parameter buffer for all launches ---------------------------------------------
+    def _prepare_params(self):
+        from cuda.bindings import driver as cu
+        from numba.core import types
+        self._cu = cu
+        self._ok = cu.CUresult.CUDA_SUCCESS
+        chunks, launches, patch_slots, patch_inputs, patch_offsets = [], [], [], [], []
+        nslots = 0
+        for rec, pts in zip(self.records, self.patches):
+            disp = rec.kernel
+            argtypes = tuple(disp.typeof_pyval(a) for a in rec.args)
+            kernel = disp.compile(argtypes)
+            for cb in rec.callbacks:
+                cb(kernel, rec.config)
+            kargs, data_slot = [], {}
+            for k, (t, v) in enumerate(zip(kernel.argument_types, rec.args)):
+                n0 = len(kargs)
+                kernel._prepare_args(t, v, 0, [], kargs)
+                if isinstance(t, types.Array):
+                    data_slot[k] = n0 + 4       # (meminfo, parent, nitems, itemsize, data, ...)
+            first = nslots
+            chunks.append(kargs)
+            nslots += len(kargs)
+            for k, j, off, _ in pts:
+                patch_slots.append(first + data_slot[k])
+                patch_inputs.append(j)
+                patch_offsets.append(off)
+            handle = kernel._codelibrary.get_cufunc().handle
+            launches.append((cu.CUfunction(int(handle)), rec.grid, rec.block, rec.smem, first,
+                             len(kargs)))
+        storage = np.zeros(max(1, nslots), np.uint64)
+        raw = storage.view(np.uint8)
+        k = 0
+        for kargs in chunks:
+            for a in kargs:
+                if isinstance(a, (bool, np.bool_)):
+                    raw[8 * k] = int(a)
+                elif isinstance(a, (int, np.integer)):
+                    storage[k] = int(a) & 0xFFFFFFFFFFFFFFFF
+                elif isinstance(a, ctypes._SimpleCData):
+                    b = np.frombuffer(bytes(a), np.uint8)
+                    if b.size > 8:
+                        raise TypeError(f"kernel parameter of {b.size} bytes")
+                    raw[8 * k:8 * k + b.size] = b
+                else:
+                    raise TypeError(f"kernel parameter {type(a).__name__}")
+                k += 1
+        base = storage.ctypes.data
+        pointers = np.arange(storage.size, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self._storage, self._pointers = storage, pointers
+        self._launches = [(fn, g, b, s, int(pointers.ctypes.data) + 8 * first)
+                          for fn, g, b, s, first, _ in launches]
+        self._patch = list(zip(patch_slots, patch_inputs, patch_offsets))
+
+    def __call__(self, ptrs, stream_handle=0, views=None):
+        if self.fast:
+            st = self._storage
+            for slot, j, off in self._patch:
+                st[slot] = ptrs[j] + off
+            launch_kernel = self._cu.cuLaunchKernel
+            ok = self._ok
+            for fn, g, b, smem, params in self._launches:
+                err, = launch_kernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream_handle,
+                                     params, 0)
+                if err != ok:
+                    raise RuntimeError(f"cuLaunchKernel failed: {err}")
+            return
+        self._replay_dispatch(ptrs, stream_handle, views)
+
+    # -- simulator / fallback: rebuild the views, call the dispatcher ---------------------------
+    def _replay_dispatch(self, ptrs, stream_handle, views):
+        from numba import cuda
+        stream = 0
+        if not SIMULATOR and stream_handle:
+            stream = cuda.external_stream(int(stream_handle))
+        for rec, pts in zip(self.records, self.patches):
+            args = list(rec.args)
+            for k, j, off, a in pts:
+                args[k] = _view_like(a, ptrs[j] + off, views[j] if views is not None else None)
+            rec.kernel[rec.grid, rec.block, stream, rec.smem](*args)
+
+
+class _HostView:
+    def __init__(self, ptr, shape, strides, dtype, owner):
+        self.__array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape),
+                                    "strides": tuple(strides), "typestr": dtype.str, "version": 3}
+        self.owner = owner
+
+
+class _DeviceView:
+    def __init__(self, ptr, shape, strides, dtype, owner):
+        self.__cuda_array_interface__ = {"data": (int(ptr), False), "shape": tuple(shape),
+                                         "strides": tuple(strides), "typestr": dtype.str,
+                                         "version": 3, "stream": None}
+        self.owner = owner
+
+
+def _view_like(a, ptr, owner):
+    """An array like ``a`` (shape, strides, dtype) at ``ptr``, aliasing ``owner``'s memory."""
+    from numba import cuda
+    dtype = np.dtype(a.dtype)
+    if SIMULATOR:
+        h = _host_of(a)
+        arr = np.asarray(_HostView(ptr, h.shape, h.strides, dtype, owner)).view(dtype)
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(arr)
+    return cuda.as_cuda_array(_DeviceView(ptr, tuple(a.shape), tuple(a.strides), dtype, owner),
+                              sync=False)

@@ -1,0 +1,439 @@
+"""Plan once per batch, run per layer: :class:`QSAPrefillWrapper` (FlashInfer's wrapper pattern).
+
+``QSAPrefillWrapper(Hi=, Di=, Hq=, Hkv=, D=, r=, Kb=, dtype=)`` fixes the geometry; ``plan(...)``
+takes the batch metadata (request ids, positions, sequence lengths, page tables), validates it once,
+converts it to int32 on the device and keeps it; ``run(...)`` takes one layer's tensors (index queries
+and index cache, queries and K/V caches) and only launches. ``run_select`` / ``run_attention`` run
+one half.
+
+The first ``run`` for a new layout (dtypes, shapes, strides, pointer alignment of its arrays)
+checks the arrays against the geometry and the plan's tables, then *records* the stage launchers'
+kernel launches (nothing runs while recording, so every check happens before any launch) into a
+:class:`numqsa.launch.Program`. Later runs of that layout re-point the recorded launches at the new
+arrays and launch them through ``cuLaunchKernel`` with prepared parameters: no argument marshalling,
+no allocation (with ``out=``), no synchronisation. Up to ``max_programs`` layouts are kept.
+
+CUDA graphs: run once eagerly (compiles, prepares), then capture ``run`` on the capturing stream
+(``torch.cuda.graph(g, stream=s)`` and ``stream=s``, with ``out=`` buffers), write new inputs into
+the same tensors and ``g.replay()``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from oracle import validate as V
+
+from . import device as dev
+from .jit import SIMULATOR
+from .launch import Program, recording
+
+__all__ = ["QSAPrefillWrapper", "check_geometry_int"]
+
+META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
+MAX_KB, MAX_R = V.MAX_KB, V.MAX_R
+
+
+check_geometry_int = V.check_int
+
+
+def _kernel_dtype(x, name, kind):
+    """The kernel dtype of a float input; NumPy bfloat16 (ml_dtypes) runs as float32."""
+    dt = V.dtype_name(x)
+    if dt == "bfloat16":
+        if kind == "numpy":
+            return "float32"
+        raise V.QSAInputError(
+            f"{name} is a CUDA bfloat16 array: the kernels take float16 and float32 for now; "
+            f"convert it ({name}.to(torch.float16)), or pass NumPy bfloat16 (ml_dtypes), which is "
+            f"computed in float32")
+    if dt not in dev.KERNEL_FLOATS:
+        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take "
+                              f"{', '.join(dev.KERNEL_FLOATS)} (and NumPy bfloat16)")
+    return dt
+
+
+class QSAPrefillWrapper:
+    """QSA prefill for one geometry: ``plan`` per batch, ``run`` per layer.
+
+    ``out[i, h] = sum_{t in S_i} softmax_t(scale <q[i,h], K[t, h // (Hq/Hkv)]>) V[t, h // (Hq/Hkv)]``
+    with ``S_i`` the top-``Kb`` groups of ``r`` tokens by index score plus the row's tail (see
+    ``docs/contract.md``). Shapes: ``qi [rows, Hi, Di]``, ``index_cache [idx_pages, R, Di]``,
+    ``q [rows, Hq, D]``, ``k_cache``/``v_cache [num_pages, page_size, Hkv, D]`` (any strides).
+
+    ``dtype`` is the attention tensors' (q, K/V) dtype, ``index_dtype`` (default ``dtype``) that of
+    ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
+    """
+
+    def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
+                 r: int = 4, Kb: int = 512, dtype: Any = "float16", index_dtype: Any = None,
+                 out_dtype: Any = None, scale: Optional[float] = None, max_programs: int = 8) -> None:
+        self.Hi = check_geometry_int(Hi, "Hi")
+        self.Di = check_geometry_int(Di, "Di")
+        self.Hq = check_geometry_int(Hq, "Hq")
+        self.Hkv = check_geometry_int(Hkv, "Hkv")
+        self.D = check_geometry_int(D, "D")
+        self.r = check_geometry_int(r, "r", 1, MAX_R)
+        self.Kb = check_geometry_int(Kb, "Kb", 1, MAX_KB)
+        if self.Hq % self.Hkv:
+            raise V.QSAInputError(f"Hq = {self.Hq} is not a multiple of Hkv = {self.Hkv}")
+        self.dtype = self._dtype_arg(dtype, "dtype")
+        self.index_dtype = self._dtype_arg(index_dtype or dtype, "index_dtype")
+        self.out_dtype = self._dtype_arg(out_dtype or self.dtype, "out_dtype")
+        self.scale = 1.0 / np.sqrt(self.D) if scale is None else float(scale)
+        self.width = self.Kb * self.r + self.r - 1
+        self.max_programs = int(max_programs)
+        self._ws = _Buffers()
+        self._programs = OrderedDict()
+        self._streams = {}
+        self._planned = False
+        self._rows = 0
+
+    @staticmethod
+    def _dtype_arg(dtype, name):
+        try:
+            dt = np.dtype(dtype).name
+        except TypeError:
+            raise V.QSAInputError(f"{name} {dtype!r} is not a dtype") from None
+        if dt == "bfloat16":
+            dt = "float32"          # NumPy bfloat16 runs as float32; CUDA bfloat16 is refused per array
+        if dt not in dev.KERNEL_FLOATS:
+            raise V.QSAInputError(f"{name} {dt} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
+        return dt
+
+    # -------------------------------------------------------------------------------- plan
+    def plan(self, req_ids: Any, positions: Any, seq_lens: Any, block_table: Any,
+             index_block_table: Any = None, *, num_groups: Optional[int] = None,
+             validate: Optional[bool] = True, stream: Any = None) -> "QSAPrefillWrapper":
+        """Take one batch's metadata (spec §1-§2); validate it; keep it on the device as int32.
+
+        ``index_block_table`` defaults to ``block_table`` (index pages shared with the main pages,
+        ``R = page_size // r`` rows each). ``num_groups`` is the score width (default
+        ``max(seq_lens) // r``; when ``seq_lens`` stays on the device and is not validated, the
+        index table's capacity ``cols * R``). ``validate``: True reads device-resident metadata back
+        once (one synchronisation) to check page ids and lengths; None checks host metadata only
+        (device tables are then guarded by the kernels: a row needing a bad page id is inert);
+        False checks nothing but shapes and dtypes. Host metadata are copied into buffers the
+        wrapper keeps, device int32 metadata are used in place (keep them alive and unchanged until
+        the last run of this plan), device int64 metadata are converted on the device. Copies and
+        conversions go on ``stream`` (default: the current stream of ``req_ids``' framework); run the
+        layers on the same stream.
+        """
+        given = {"req_ids": req_ids, "positions": positions, "seq_lens": seq_lens,
+                 "block_table": block_table,
+                 "index_block_table": block_table if index_block_table is None else index_block_table}
+        kinds = {n: dev.array_kind(x, n) for n, x in given.items()}
+        rows, num_reqs = V.check_batch(req_ids, positions, seq_lens)
+        for n in ("block_table", "index_block_table"):
+            V._rank(given[n], n, 2, "[num_reqs, cols]")
+            V._dtype(given[n], n, V.INT_DTYPES)
+        host = {}
+        for n, x in given.items():
+            if kinds[n] == "numpy":
+                dev.host_int32(x, n)                            # int32 range (before any copy)
+                host[n] = np.asarray(x).astype(np.int64, copy=False)
+            elif validate:
+                host[n] = V.host_ints(x)
+        for n in ("block_table", "index_block_table"):
+            if n in host and host[n].shape[0] < num_reqs:
+                raise V.QSAInputError(f"{n} has {host[n].shape[0]} rows but there are {num_reqs} "
+                                      f"requests")
+        need = None
+        if "seq_lens" in host:
+            lens = host["seq_lens"]
+            need = int(lens.max()) // self.r if lens.size else 0
+        if num_groups is not None:
+            num_groups = check_geometry_int(num_groups, "num_groups", 0)
+            if need is not None and num_groups < need:
+                q = int(np.argmax(host["seq_lens"]))
+                raise V.QSAInputError(
+                    f"num_groups = {num_groups} is below the longest request's {need} groups "
+                    f"(request {q}, seq_len {int(host['seq_lens'][q])}, r = {self.r}); pass "
+                    f"num_groups >= max(seq_lens) // r or leave it out")
+        stream_h = (dev.current_stream_handle(kinds["req_ids"], req_ids) if stream is None
+                    else dev.stream_handle(stream))
+        nstream = self._numba_stream(stream_h)
+        arrays = {}
+        for n, x in given.items():
+            if n == "index_block_table" and index_block_table is None:
+                arrays[n] = arrays["block_table"]
+            elif kinds[n] == "numpy":
+                arrays[n] = self._ws.put(f"meta.{n}", dev.host_int32(x, n), nstream)
+            else:
+                arrays[n] = dev.ints(x, nstream, n)
+        self._rows, self._num_reqs = int(rows), int(num_reqs)
+        self._groups = num_groups if num_groups is not None else need
+        self._host = host
+        self._validate = validate
+        self._meta = [arrays[n] for n in META]
+        described = [dev.describe(a, "numba") for a in self._meta]
+        self._meta_ptrs = [p for p, _ in described]
+        self._meta_key = tuple(k for _, k in described)
+        self._checked = set()
+        self._planned = True
+        return self
+
+    # -------------------------------------------------------------------------------- run
+    def run(self, qi: Any, index_cache: Any, q: Any, k_cache: Any, v_cache: Any, *,
+            out: Optional[Sequence[Any]] = None, return_selection: bool = False,
+            stream: Any = None) -> tuple:
+        """``(out [rows, Hq, D], lse float32 [rows, Hq])``: selection then attention, one layer.
+
+        ``out`` may be ``(out, lse)`` or ``(out, lse, tokens, counts)`` buffers (any framework;
+        NumPy buffers are written after a copy back); otherwise fresh arrays of ``q``'s framework
+        are returned. ``return_selection=True`` also returns ``(tokens int32 [rows, Kb*r + r - 1],
+        counts int32 [rows])``. ``stream`` defaults to the current stream of ``q``'s framework.
+        """
+        specs = [("out", (self._rows, self.Hq, self.D), self.out_dtype),
+                 ("lse", (self._rows, self.Hq), "float32")]
+        if return_selection or (isinstance(out, (tuple, list)) and len(out) == 4):
+            specs += [("tokens", (self._rows, self.width), "int32"),
+                      ("counts", (self._rows,), "int32")]
+        res = self._execute("prefill", [("q", q), ("qi", qi), ("index_cache", index_cache),
+                                        ("k_cache", k_cache), ("v_cache", v_cache)], specs, out, stream)
+        return res if return_selection else res[:2]
+
+    def run_select(self, qi: Any, index_cache: Any, *, out: Optional[Sequence[Any]] = None,
+                   stream: Any = None) -> tuple:
+        """``(tokens, counts, groups)`` of one layer (:func:`numqsa.select` semantics)."""
+        specs = [("tokens", (self._rows, self.width), "int32"), ("counts", (self._rows,), "int32"),
+                 ("groups", (self._rows, self.Kb), "int32")]
+        return self._execute("select", [("qi", qi), ("index_cache", index_cache)], specs, out, stream)
+
+    def run_attention(self, q: Any, k_cache: Any, v_cache: Any, tokens: Any, counts: Any, *,
+                      out: Optional[Sequence[Any]] = None, stream: Any = None) -> tuple:
+        """``(out, lse)`` over a given selection (:func:`numqsa.sparse_attention` semantics)."""
+        specs = [("out", (self._rows, self.Hq, self.D), self.out_dtype),
+                 ("lse", (self._rows, self.Hq), "float32")]
+        return self._execute("attention", [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                           ("tokens", tokens), ("counts", counts)], specs, out, stream)
+
+    # -------------------------------------------------------------------------------- internals
+    def _numba_stream(self, handle):
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = dev.resolve_stream(handle)
+        return s
+
+    def _execute(self, mode, inputs, specs, out, stream):
+        if not self._planned:
+            raise V.QSAInputError("call plan(...) with the batch metadata before run(...)")
+        lead_name, lead = inputs[0]
+        lead_kind = dev.array_kind(lead, lead_name)
+        handle = (dev.current_stream_handle(lead_kind, lead) if stream is None
+                  else dev.stream_handle(stream))
+        nstream = None
+        arrays, kinds, ptrs, keys = [], [], [], []
+        bf16_out = False
+        for name, x in inputs:
+            kind = lead_kind if x is lead else dev.array_kind(x, name)
+            if kind == "numpy":
+                nstream = nstream or self._numba_stream(handle)
+                h = np.asarray(x)
+                if name in ("tokens", "counts"):
+                    h = dev.host_int32(h, name)
+                elif V.dtype_name(h) == "bfloat16":
+                    h = h.astype(np.float32)
+                    bf16_out = bf16_out or name == "q"
+                x = self._ws.put(f"stage.{name}", np.ascontiguousarray(h), nstream)
+                kind = "numba"
+            p, k = dev.describe(x, kind)
+            arrays.append(x)
+            kinds.append(kind)
+            ptrs.append(p)
+            keys.append(k)
+        # outputs: the caller's buffers, or fresh arrays of the lead's framework
+        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != len(specs)):
+            if not isinstance(out, (tuple, list)):
+                raise V.QSAInputError(f"out must be a tuple of buffers "
+                                      f"({', '.join(n for n, _, _ in specs)}), got "
+                                      f"{type(out).__name__}")
+            raise V.QSAInputError(f"out has {len(out)} buffers; this call writes {len(specs)} "
+                                  f"({', '.join(n for n, _, _ in specs)})")
+        outs, host_outs = [], []
+        for i, (name, shape, dt) in enumerate(specs):
+            if out is not None:
+                b = out[i]
+                okind = dev.array_kind(b, f"out[{i}] ({name})")
+                want = np.dtype(dt).name
+                if tuple(b.shape) != tuple(shape) or V.dtype_name(b) != want:
+                    raise V.QSAInputError(
+                        f"out[{i}] ({name}) must be {want} {tuple(shape)}, got {V.dtype_name(b)} "
+                        f"{tuple(b.shape)}")
+            else:
+                okind = lead_kind
+                b = None if okind == "numpy" else dev.new_array(okind, shape, dt, lead, None)
+            if okind == "numpy":
+                nstream = nstream or self._numba_stream(handle)
+                host_outs.append((i, b))
+                b = self._ws.buffer(f"stage.out.{name}", shape, dt, nstream)
+                okind = "numba"
+            p, k = dev.describe(b, okind)
+            outs.append((b, okind))
+            ptrs.append(p)
+            keys.append(k)
+        key = (mode, self._meta_key, self._groups, tuple(keys))
+        all_ptrs = self._meta_ptrs + ptrs
+        prog = self._programs.get(key)
+        if prog is not None and any(all_ptrs[j] - all_ptrs[i] != prog.base_ptrs[j] - prog.base_ptrs[i]
+                                    for i, j in prog.pairs):
+            prog = None
+        if prog is None:
+            prog = self._prepare(mode, inputs, arrays, kinds, outs)
+            self._programs[key] = prog
+            while len(self._programs) > self.max_programs:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+            for t in prog.tables:            # a new plan's tables against this layout's caches
+                self._check_table(*t)
+        views = None
+        if not prog.fast:
+            views = (self._meta + [dev.as_numba(a) if k != "numba" else a
+                                   for a, k in zip(arrays, kinds)]
+                     + [dev.as_numba(b) if k != "numba" else b for b, k in outs])
+        prog(all_ptrs, handle, views)
+        result = [b for b, _ in outs]
+        if host_outs:
+            nstream = nstream or self._numba_stream(handle)
+            for i, b in host_outs:
+                h = result[i].copy_to_host(stream=nstream)
+                result[i] = h if b is None else b
+                if b is not None:
+                    nstream.synchronize()
+                    b[...] = h
+            nstream.synchronize()
+            if bf16_out and specs[0][0] == "out" and out is None:
+                import ml_dtypes
+                result[0] = result[0].astype(ml_dtypes.bfloat16)
+        return tuple(result)
+
+    def _prepare(self, mode, inputs, arrays, kinds, outs):
+        """Check one layout against the geometry and the plan, then record its launches."""
+        from .attention import sparse_attention
+        from .selection import select, select_chunk_rows
+        named = dict(inputs)
+        dev_arrays = {}
+        for (name, x), a, kind in zip(inputs, arrays, kinds):
+            if name not in ("tokens", "counts"):
+                _kernel_dtype(x, name, "numpy" if isinstance(x, np.ndarray) else kind)
+            dev_arrays[name] = a if kind == "numba" else dev.as_numba(a, name)
+        rows = self._rows
+        req, pos, lens, bt, ibt = self._meta
+        if "q" in named:
+            kc, vc = dev_arrays["k_cache"], dev_arrays["v_cache"]
+            self._check_kv_layout(kc)
+            num_pages, page_size, hkv, d = V.check_kv(kc, vc, self.r)
+            if (hkv, d) != (self.Hkv, self.D):
+                raise V.QSAInputError(f"k_cache has Hkv = {hkv}, D = {d}; this wrapper was built "
+                                      f"for Hkv = {self.Hkv}, D = {self.D}")
+            hq = V.check_q(dev_arrays["q"], rows, hkv, d)
+            if hq != self.Hq:
+                raise V.QSAInputError(f"q has Hq = {hq} heads; this wrapper was built for Hq = "
+                                      f"{self.Hq}")
+            self._check_table("block_table", num_pages, page_size, 1)
+        if "qi" in named:
+            ic = dev_arrays["index_cache"]
+            n_ipages, R, di = V.check_index_cache(ic)
+            if di != self.Di:
+                raise V.QSAInputError(f"index_cache has Di = {di}; this wrapper was built for "
+                                      f"Di = {self.Di}")
+            hi = V.check_index_q(dev_arrays["qi"], rows, di)
+            if hi != self.Hi:
+                raise V.QSAInputError(f"qi has Hi = {hi} heads; this wrapper was built for Hi = "
+                                      f"{self.Hi}")
+            self._check_table("index_block_table", n_ipages, R, self.r)
+            G = self._groups
+            if G is None:                # device seq_lens, not read: the index table's capacity
+                G = int(ibt.shape[1]) * int(R)
+        if mode == "attention":
+            V.check_selection(dev_arrays["tokens"], dev_arrays["counts"], rows, self.r)
+        out_arrays = [b if k == "numba" else dev.as_numba(b) for b, k in outs]
+        with recording() as records:
+            if mode in ("prefill", "select"):
+                if mode == "select":
+                    sel = tuple(out_arrays)
+                elif len(out_arrays) == 4:
+                    sel = (out_arrays[2], out_arrays[3],
+                           self._ws.buffer("sel.groups", (rows, self.Kb), "int32", None))
+                else:
+                    sel = tuple(self._ws.buffer(f"sel.{n}", s, "int32", None) for n, s in
+                                (("tokens", (rows, self.width)), ("counts", (rows,)),
+                                 ("groups", (rows, self.Kb))))
+                chunk = select_chunk_rows(rows, G)
+                scores = self._ws.buffer("scores", (max(1, chunk * max(G, 1)),), "float32", None)
+                tokens, counts, _ = select(dev_arrays["qi"], ic, ibt, req, pos, lens, Kb=self.Kb,
+                                           r=self.r, out=sel, workspace=scores, num_groups=G,
+                                           validate=False)
+            else:
+                tokens, counts = dev_arrays["tokens"], dev_arrays["counts"]
+            if mode in ("prefill", "attention"):
+                sparse_attention(dev_arrays["q"], kc, vc, bt, tokens, counts, req, lens,
+                                 scale=self.scale, r=self.r, out_dtype=self.out_dtype,
+                                 out=(out_arrays[0], out_arrays[1]), workspace=self._ws,
+                                 validate=False)
+        inputs_all = self._meta + [dev_arrays[n] for n, _ in inputs] + out_arrays
+        prog = Program(records, inputs_all)
+        prog.tables = self._table_geometry(dev_arrays)
+        return prog
+
+    def _check_kv_layout(self, kc):
+        """Point at the likely mistake when a head-major cache arrives untransposed."""
+        s = tuple(kc.shape)
+        if len(s) == 4 and s[1] == self.Hkv and s[2] != self.Hkv and s[3] == self.D:
+            raise V.QSAInputError(
+                f"k_cache has shape {s}, which looks head-major [num_pages, Hkv, page_size, D]; "
+                f"pass k_cache.transpose(1, 2) (a view: no copy) so it reads "
+                f"[num_pages, page_size, Hkv, D]")
+
+    def _check_table(self, name, num_pages, units_per_page, r):
+        """Page ids of the needed columns, on the plan's host copy (once per cache geometry)."""
+        if self._validate is False or (name, num_pages, units_per_page) in self._checked:
+            return
+        tab = self._host.get(name)
+        if tab is None or "seq_lens" not in self._host:
+            return
+        V.check_table(tab, self._host["seq_lens"], units_per_page=units_per_page,
+                      num_pages=num_pages, r=r, name=name)
+        self._checked.add((name, num_pages, units_per_page))
+
+    def _table_geometry(self, dev_arrays):
+        out = []
+        if "index_cache" in dev_arrays:
+            n, R, _ = dev_arrays["index_cache"].shape
+            out.append(("index_block_table", int(n), int(R), self.r))
+        if "k_cache" in dev_arrays:
+            n, ps = dev_arrays["k_cache"].shape[:2]
+            out.append(("block_table", int(n), int(ps), 1))
+        return tuple(out)
+
+    @property
+    def num_programs(self):
+        return len(self._programs)
+
+
+class _Buffers:
+    """Device buffers kept by name, reallocated only when the shape or dtype changes."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def buffer(self, name, shape, dtype, stream):
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        buf = self._buffers.get(name)
+        if buf is None or tuple(buf.shape) != shape or np.dtype(buf.dtype) != dtype:
+            buf = dev.empty(shape, dtype, stream or 0)
+            self._buffers[name] = buf
+        return buf
+
+    def put(self, name, host, stream):
+        """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""
+        buf = self.buffer(name, host.shape, host.dtype, stream)
+        buf.copy_to_device(host, stream=stream or 0)
+        return buf
+
+    @property
+    def nbytes(self):
+        return sum(b.size * np.dtype(b.dtype).itemsize for b in self._buffers.values())

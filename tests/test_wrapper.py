@@ -1,0 +1,132 @@
+"""The plan/run object against the oracle (simulator): whole prefill, selection, attention, several
+batches and layers through one wrapper, prepared launches re-pointed at new arrays, array types."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import numqsa
+import oracle
+from numqsa.testing import assert_matches_oracle, assert_selection_matches
+from oracle.problems import make_problem
+
+GEOM = dict(Hi=2, Di=32, Hq=4, Hkv=2, D=32)
+
+
+def problem(seed, lens=(70, 41), positions=(69, 50, 40, -1, 3), req_ids=(0, 0, 1, 0, 5),
+            layout="contiguous", dtype=np.float16):
+    return make_problem(list(lens), positions=list(positions), req_ids=list(req_ids), page_size=16,
+                        dtype=dtype, layout=layout, seed=seed, **GEOM)
+
+
+def meta(p):
+    return p["req_ids"], p["positions"], p["seq_lens"], p["block_table"], p["index_block_table"]
+
+
+def layer(p):
+    return p["qi"], p["index_cache"], p["q"], p["k_cache"], p["v_cache"]
+
+
+def check(p, out, lse, tokens, counts, Kb):
+    batch = (p["req_ids"], p["positions"], p["seq_lens"])
+    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
+    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
+    for i in range(tokens.shape[0]):
+        g = tokens[i, :counts[i]][::4] // 4
+        g = g[4 * np.arange(g.size) + 3 < counts[i]]
+        groups[i, :g.size] = g
+    assert_selection_matches(groups, tokens, counts, scores, *batch, Kb=Kb)
+    ref, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
+                                           tokens, counts, p["req_ids"], p["seq_lens"])
+    assert_matches_oracle(out, ref, dtype=p["q"].dtype, what="out")
+    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
+
+
+def test_run_matches_oracle_several_batches(seed):
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM)
+    for k, lens in enumerate([(70, 41), (33, 90)]):
+        p = problem(seed + k, lens=lens)
+        w.plan(*meta(p))
+        out, lse, tokens, counts = w.run(*layer(p), return_selection=True)
+        assert all(isinstance(x, np.ndarray) for x in (out, lse, tokens, counts))
+        check(p, out, lse, tokens, counts, Kb=5)
+
+
+def test_select_and_attention_alone(seed):
+    p = problem(seed)
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*meta(p))
+    tokens, counts, groups = w.run_select(p["qi"], p["index_cache"])
+    want = oracle.select(p["qi"], p["index_cache"], p["index_block_table"], p["req_ids"],
+                         p["positions"], p["seq_lens"], Kb=5)
+    np.testing.assert_array_equal(counts, want[1])
+    out, lse = w.run_attention(p["q"], p["k_cache"], p["v_cache"], tokens, counts)
+    check(p, out, lse, tokens, counts, Kb=5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+def test_prepared_launches_follow_new_arrays(seed, layout):
+    """Layer 2's arrays live elsewhere: one program, re-pointed, gives layer 2's own result."""
+    p1, p2 = problem(seed, layout=layout), problem(seed + 1, layout=layout)
+    for k in ("req_ids", "positions", "seq_lens", "block_table", "index_block_table"):
+        p2[k] = p1[k]
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*[cuda.to_device(np.ascontiguousarray(a))
+                                                      for a in meta(p1)])
+
+    def device_layer(p):
+        if layout == "interleaved":     # keep the views of one allocation
+            kv = cuda.to_device(np.ascontiguousarray(p["k_cache"].base))
+            return [cuda.to_device(p["qi"]), cuda.to_device(p["index_cache"]), cuda.to_device(p["q"]),
+                    kv[:, 0], kv[:, 1]]
+        return [cuda.to_device(np.ascontiguousarray(a)) for a in layer(p)]
+
+    results = []
+    for p in (p1, p2):
+        res = w.run(*device_layer(p), return_selection=True)
+        assert all(hasattr(x, "copy_to_host") for x in res), "numba in, numba out"
+        results.append([x.copy_to_host() for x in res])
+    assert w.num_programs == 1
+    for p, res in zip((p1, p2), results):
+        check(p, *res, Kb=5)
+    assert not np.array_equal(results[0][0], results[1][0])
+
+
+def test_run_writes_out_buffers(seed):
+    p = problem(seed)
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*meta(p))
+    out = np.full((5, 4, 32), np.nan, np.float16)
+    lse = np.full((10, 4), np.nan, np.float32)[::2]          # non-contiguous
+    got = w.run(*layer(p), out=(out, lse))
+    assert got[0] is out and got[1] is lse
+    ref = w.run(*layer(p))
+    np.testing.assert_array_equal(out, ref[0])
+    np.testing.assert_array_equal(lse, ref[1])
+
+
+def test_bfloat16_from_numpy(seed):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ml_dtypes.bfloat16
+    p = problem(seed, dtype=np.float32)
+    for k in ("qi", "index_cache", "q"):
+        p[k] = p[k].astype(bf16)
+    kv = [p[k].astype(bf16) for k in ("k_cache", "v_cache")]
+    p["k_cache"], p["v_cache"] = kv
+    out, lse, tokens, counts = numqsa.qsa_prefill(p["qi"], p["index_cache"], p["index_block_table"],
+                                                  p["q"], p["k_cache"], p["v_cache"],
+                                                  p["block_table"], p["req_ids"], p["positions"],
+                                                  p["seq_lens"], Kb=5)
+    assert out.dtype == bf16
+    ref, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
+                                           tokens, counts, p["req_ids"], p["seq_lens"])
+    assert np.isfinite(ref).all(), "the oracle takes bfloat16 (and computes in float64)"
+    err = np.abs(out.astype(np.float64) - ref.astype(np.float64)).max()
+    assert err <= 2 * 2.0 ** -8 * max(1.0, np.abs(ref.astype(np.float64)).max())
+
+
+def test_plan_required_and_geometry_checked(seed):
+    p = problem(seed)
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM)
+    with pytest.raises(numqsa.QSAInputError, match="plan"):
+        w.run(*layer(p))
+    w.plan(*meta(p))
+    with pytest.raises(numqsa.QSAInputError, match="Hq = 8"):
+        w.run(p["qi"], p["index_cache"], np.concatenate([p["q"], p["q"]], 1), p["k_cache"],
+              p["v_cache"])

@@ -1,0 +1,95 @@
+"""The plan/run object on a GPU: torch/CuPy round trips on the caller's stream, prepared launches
+bitwise equal to the dispatcher's, CUDA-graph capture and replay bitwise equal to eager."""
+import numpy as np
+import pytest
+
+import numqsa
+from oracle.problems import make_problem
+
+pytestmark = pytest.mark.gpu
+META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
+LAYER = ("qi", "index_cache", "q", "k_cache", "v_cache")
+
+
+def gpu_problem(seed, rows=1024, context=8192):
+    from numqsa.__main__ import correlated_queries
+    p = make_problem([context], rows_per_req=[rows], page_size=64, dtype=np.float16, seed=seed)
+    p["qi"] = correlated_queries(np.random.default_rng(seed), rows, 4, 128).astype(np.float16)
+    return p
+
+
+def wrapper():
+    return numqsa.QSAPrefillWrapper(Hi=4, Di=128, Hq=6, Hkv=1, D=256, r=4, Kb=512)
+
+
+def to_torch(torch, p, names):
+    return [torch.from_numpy(np.ascontiguousarray(p[k])).cuda() for k in names]
+
+
+def test_gpu_torch_in_torch_out_on_current_stream(seed):
+    torch = pytest.importorskip("torch")
+    from numba import cuda
+    p = gpu_problem(seed)
+    w = wrapper().plan(*[cuda.to_device(np.ascontiguousarray(p[k])) for k in META])
+    want = [x.copy_to_host() for x in w.run(*[cuda.to_device(np.ascontiguousarray(p[k]))
+                                              for k in LAYER], return_selection=True)]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        w2 = wrapper().plan(*to_torch(torch, p, META))
+        got = w2.run(*to_torch(torch, p, LAYER), return_selection=True)
+    s.synchronize()
+    assert all(isinstance(x, torch.Tensor) and x.is_cuda for x in got)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b.cpu().numpy())
+
+
+def test_gpu_cupy_in_cupy_out(seed):
+    cupy = pytest.importorskip("cupy")
+    p = gpu_problem(seed, rows=256)
+    w = wrapper().plan(*[cupy.asarray(np.ascontiguousarray(p[k])) for k in META])
+    got = w.run(*[cupy.asarray(np.ascontiguousarray(p[k])) for k in LAYER])
+    assert all(isinstance(x, cupy.ndarray) for x in got)
+    want = wrapper().plan(*[p[k] for k in META]).run(*[p[k] for k in LAYER])
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, cupy.asnumpy(b))
+
+
+def test_gpu_prepared_launches_equal_dispatcher(seed, monkeypatch):
+    torch = pytest.importorskip("torch")
+    p = gpu_problem(seed)
+    w = wrapper().plan(*to_torch(torch, p, META))
+    fast = [x.cpu().numpy() for x in w.run(*to_torch(torch, p, LAYER), return_selection=True)]
+    prog = next(iter(w._programs.values()))
+    assert prog.fast, prog.fallback_reason
+    monkeypatch.setenv("NUMQSA_PREPARED_LAUNCH", "0")
+    w2 = wrapper().plan(*to_torch(torch, p, META))
+    slow = [x.cpu().numpy() for x in w2.run(*to_torch(torch, p, LAYER), return_selection=True)]
+    assert not next(iter(w2._programs.values())).fast
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_graph_replay_bitwise(seed):
+    torch = pytest.importorskip("torch")
+    p, p2 = gpu_problem(seed), gpu_problem(seed + 1)
+    meta, layer = to_torch(torch, p, META), to_torch(torch, p, LAYER)
+    s = torch.cuda.Stream()
+    w = wrapper()
+    o = torch.empty(1024, 6, 256, dtype=torch.float16, device="cuda")
+    lse = torch.empty(1024, 6, dtype=torch.float32, device="cuda")
+    with torch.cuda.stream(s):
+        w.plan(*meta, stream=s)
+        w.run(*layer, out=(o, lse), stream=s)          # compile and prepare outside the capture
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        w.run(*layer, out=(o, lse), stream=s)
+    for name in ("qi", "q"):                            # new inputs, same tensors
+        layer[LAYER.index(name)].copy_(torch.from_numpy(p2[name]))
+    g.replay()
+    torch.cuda.synchronize()
+    replayed = [o.cpu().numpy(), lse.cpu().numpy()]
+    eager = wrapper().plan(*meta).run(*layer)
+    torch.cuda.synchronize()
+    for a, b in zip(eager, replayed):
+        np.testing.assert_array_equal(a.cpu().numpy(), b)
