@@ -13,7 +13,7 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
-from .wrapper import QSAPrefillWrapper, check_geometry_int
+from .wrapper import QSAPrefillWrapper, _Buffers, check_geometry_int
 
 __all__ = ["qsa_prefill", "Workspace"]
 
@@ -29,6 +29,11 @@ class Workspace:
     def __init__(self):
         self._wrappers = {}
         self._outs = {}
+        self._scratch = _Buffers()
+
+    def buffer(self, name, shape, dtype, stream):
+        """A scratch device buffer kept by name (``select``/``sparse_attention``'s ``workspace=``)."""
+        return self._scratch.buffer(name, shape, dtype, stream)
 
     def outputs(self, key, specs, like_kind, like, stream):
         bufs = self._outs.get(key)
@@ -40,7 +45,7 @@ class Workspace:
 
     @property
     def nbytes(self):
-        total = sum(w._ws.nbytes for w in self._wrappers.values())
+        total = sum(w._ws.nbytes for w in self._wrappers.values()) + self._scratch.nbytes
         return total + sum(int(np.prod(b.shape)) * np.dtype(str(b.dtype).replace("torch.", "")).itemsize
                            for bufs in self._outs.values() for b in bufs)
 
