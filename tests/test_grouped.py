@@ -63,7 +63,9 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=20, mode="random")
     pages, nv, tl = oracle.page4_plan(tokens, counts, p["block_table"], p["req_ids"], p["seq_lens"],
                                       page_size=16, num_pages=p["k_cache"].shape[0])
-    cfg = grouped.grouped_config(32, 6, 4, pages.shape[1], 1, None)
+    # the simulator's launch shape on every platform: small stages and pieces
+    cfg = grouped.GroupedConfig(32, 6, stages=3, stage_pages=4, prefetch=1, rows_per_window=2,
+                                plan_threads=32, piece=8)
     g, pc = cfg.rows_per_window, cfg.piece
     npieces = grouped.pieces_of(pages.shape[1], pc)
     nwin = -(-4 // g)

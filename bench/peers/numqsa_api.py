@@ -199,7 +199,25 @@ def prepare(stage, p, route=None):
 
         def e2e():
             box["res"] = numqsa.qsa_prefill(*full, Kb=kb, r=r)
+
+        wrap = {}
+
+        def run_prefill():
+            """The plan/run object: planned once per batch, then ``run`` per layer (host line)."""
+            if not wrap:
+                rows, hi, di = p.qi.shape
+                _, hq, d = p.q.shape
+                w = numqsa.QSAPrefillWrapper(Hi=hi, Di=di, Hq=hq, Hkv=p.k_cache.shape[2], D=d, r=r,
+                                             Kb=kb)
+                w.plan(p.req_ids, p.positions, p.seq_lens, p.block_table, p.block_table,
+                       num_groups=G, validate=False, stream=st)
+                wrap["w"] = w
+                wrap["out"] = (_empty(prob, (rows, hq, d), "float16"),
+                               _empty(prob, (rows, hq), "float32"))
+            wrap["w"].run(p.qi, p.index_cache, p.q, p.k_cache, p.v_cache, out=wrap["out"],
+                          stream=st)
         return Call(gpu=gpu, e2e=e2e,
                     result=lambda: {"out": box["res"][0], "tokens": box["res"][2]},
-                    host={"numqsa.qsa_prefill.default": e2e, "numqsa.qsa_prefill.repeated": gpu})
+                    host={"numqsa.qsa_prefill.default": e2e, "numqsa.qsa_prefill.repeated": gpu,
+                          "numqsa.run.prefill": run_prefill})
     raise Skip(f"no {stage} stage")
