@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
+from numba.cuda.types import float16
 
 from ..jit import SIMULATOR, device_jit, jit
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
@@ -320,6 +321,21 @@ def _mask2(o2, ln):
 
 
 @functools.lru_cache(maxsize=None)
+def _out_conv(out_kind):
+    """float32 -> the output element: float32, float16, or bfloat16 bits (a uint16 output array)."""
+    if out_kind == "f32":
+        def conv(x):
+            return float32(x)
+    elif out_kind == "f16":
+        def conv(x):
+            return float16(x)
+    else:
+        def conv(x):
+            return pack_bf16x2(x, float32(0)) & uint32(0xFFFF)
+    return device_jit(conv, forceinline=True)
+
+
+@functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind):
     """Grid ``(windows, pieces, Hkv)``, block ``32 * rows_per_window * HT`` threads, dynamic shared
     memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V); ``out_kind`` "f32", "f16"
@@ -349,18 +365,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     pack = pack_bf16x2 if dtype == "bf16" else pack_f16x2
     waits = [cp_async_wait_fn(n) for n in range(NB)]
     w0, w1, w2, w3, w4, w5 = (waits + [waits[0]] * 6)[:6]
-    if out_kind == "f32":
-        def conv(x):
-            return float32(x)
-    elif out_kind == "f16":
-        from numba.cuda.types import float16
-
-        def conv(x):
-            return float16(x)
-    else:
-        def conv(x):
-            return pack_bf16x2(x, F0) & uint32(0xFFFF)
-    conv = device_jit(conv, forceinline=True)
+    conv = _out_conv(out_kind)
 
     @device_jit(forceinline=True)
     def wait_pending(n):
@@ -661,18 +666,7 @@ def make_merge_kernel(d, out_kind, piece):
     ``lse = M + log L``. Rows with one piece were written by the attention kernel."""
     D, PC = int(d), int(piece)
     F0 = float32(0)
-    if out_kind == "f32":
-        def conv(x):
-            return float32(x)
-    elif out_kind == "f16":
-        from numba.cuda.types import float16
-
-        def conv(x):
-            return float16(x)
-    else:
-        def conv(x):
-            return pack_bf16x2(x, F0) & uint32(0xFFFF)
-    conv = device_jit(conv, forceinline=True)
+    conv = _out_conv(out_kind)
 
     def kernel(num_vpages, part_o, part_ml, out, lse):
         row = uint32(cuda.blockIdx.x)
