@@ -9,8 +9,10 @@ strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> lau
 the query was NumPy, else device arrays.
 
 Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
-profile's ``page4_min_rows`` rows on, the page-4 plan plus the grouped tensor-core kernel
-(:mod:`numqsa.kernels.page4`). ``NUMQSA_PAGE4=0`` forces the generic route.
+profile's ``page4_min_rows`` rows on (every row count on sm_80/sm_90), the page-4 plan plus a grouped
+tensor-core kernel: :mod:`numqsa.kernels.grouped` on sm_80+ (16-byte aligned caches), else the
+m8n8k4 / element-load kernel of :mod:`numqsa.kernels.page4`. ``NUMQSA_PAGE4=0`` forces the generic
+route.
 """
 import numpy as np
 
@@ -61,6 +63,19 @@ def _grouped_ok(profile, q, k_cache, v_cache):
             and _grouped.words_view(v_cache) is not None and _grouped.words_view(q, 4) is not None)
 
 
+def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse, od,
+                          profile, stream, r, bufs):
+    """The grouped kernel of this device and layout over a page-4 plan. ``tokens`` (the selection
+    the plan came from) lets windows of rows share loads; without it each row is its own window."""
+    if _grouped_ok(profile, q, k_cache, v_cache):
+        _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
+                                profile, stream, bufs, "f16", "f16" if od == "float16" else "f32")
+    else:
+        keys = None if tokens is None else bufs("page4.keys", tokens.shape, np.int32)
+        _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
+                            stream, r, tokens=tokens, keys=keys)
+
+
 def route(rows, page_size, r=4, cc=None):
     """The :class:`numqsa.plan.AttentionPlan` the public functions follow on this device."""
     return plan_attention(rows, dev.device_cc() if cc is None else cc, page_size, r)
@@ -106,20 +121,17 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
     if name == "page4":
         kb = (tok.shape[1] - (r - 1)) // r
-        ints = ((lambda n, shape: workspace.buffer(n, shape, np.int32, stream)) if workspace is not None
-                else (lambda n, shape: dev.empty(shape, np.int32, stream)))
+        bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
+                else (lambda n, shape, dt: dev.empty(shape, dt, stream)))
+
+        def ints(n, shape):
+            return bufs(n, shape, np.int32)
         pages, nv, tl = (ints("page4.pages", (rows, kb + 1, 2)), ints("page4.num_vpages", (rows,)),
                          ints("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
         _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
-        if _grouped_ok(plan.profile, qd_, kc, vc):
-            bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
-                    else (lambda n, shape, dt: dev.empty(shape, dt, stream)))
-            _grouped.launch_grouped(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, plan.profile,
-                                    stream, bufs, "f16", "f16" if od == "float16" else "f32")
-        else:
-            _page4.launch_page4(qd_, kc, vc, pages, nv, tl, rid, scale, o, lse, plan.profile, stream,
-                                r, tokens=tok, keys=ints("page4.keys", tok.shape))
+        _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od, plan.profile,
+                              stream, r, bufs)
         # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
         # one; select() never makes such) left its row inert above: the generic kernel takes exactly
         # those rows, so the route choice never changes which tokens a row attends to.
@@ -163,9 +175,9 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
                     out_dtype=None, out=None, stream=None):
     """``(out, lse)`` over a page-4 plan with the grouped tensor-core kernel.
 
-    Mirrors :func:`oracle.page4_attention`. Rows are grouped ``group_rows`` at a time (the launch
-    profile's) among adjacent rows of one request; each row attends to exactly its own pages, and its
-    result does not depend on the group it lands in (see :mod:`numqsa.kernels.page4`).
+    Mirrors :func:`oracle.page4_attention`. Each row attends to exactly its own pages, with the same
+    arithmetic (so the same bits) as :func:`sparse_attention`'s page-4 route; without the selection
+    to order a shared union, every row is its own window (see :mod:`numqsa.kernels.grouped`).
     """
     r = V.check_r(r)
     (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
@@ -189,10 +201,6 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     out_buf, lse_buf = (None, None) if out is None else out
     o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
     lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
-    if _grouped_ok(prof, qd_, kc, vc):
-        _grouped.launch_grouped(qd_, kc, vc, pg, nv, tl, None, rid, scale, o, lse, prof, stream,
-                                lambda n, shape, dt: dev.empty(shape, dt, stream), "f16",
-                                "f16" if od == "float16" else "f32")
-    else:
-        _page4.launch_page4(qd_, kc, vc, pg, nv, tl, rid, scale, o, lse, prof, stream, r)
+    _launch_grouped_route(qd_, kc, vc, pg, nv, tl, None, rid, scale, o, lse, od, prof, stream, r,
+                          lambda n, shape, dt: dev.empty(shape, dt, stream))
     return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
