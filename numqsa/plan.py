@@ -78,6 +78,8 @@ PROFILES = {
         smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
+        # as sm_90 (one route for every row count keeps a row's bits batch-independent); the
+        # grouped kernel takes 4 ring stages here (164 KB). Not measured on an A100.
         attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
     ),
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
