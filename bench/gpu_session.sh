@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU test tier (sm_90 kernels, then the sm_70 kernels under NUMQSA_ARCH=sm_70,
-# which the H200 runs by emulating m8n8k4), compute-sanitizer on one case per kernel, the main job,
+# which the H200 runs by emulating m8n8k4), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on every kernel and route, the main job,
 # and (with --bench) the benchmarks. Full logs and JSON go to $OUT; a short table is printed last.
 # Usage on the device machine, from the repo root, after the wheel install line of bench/NOTES.md:
 #   bash bench/gpu_session.sh [--bench] [pytest -k expression]
@@ -28,7 +28,7 @@ step "pytest -m gpu (sm_90)" gpu_sm90.log 210 python3 -m pytest -m gpu -q -p no:
 step "pytest -m gpu (NUMQSA_ARCH=sm_70)" gpu_sm70.log 140 env NUMQSA_ARCH=sm_70 python3 -m pytest -m gpu -q -p no:cacheprovider -k "${K:+$K and }not 131072" tests
 step "main job" main.log 45 python3 -m numqsa
 if command -v compute-sanitizer >/dev/null; then
-    step "compute-sanitizer memcheck" sanitizer.log 75 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_cases.py
+    step "compute-sanitizer (bench/sanitize.py)" sanitizer.log 120 python3 bench/sanitize.py --out "$LOG/sanitize" --quick-racecheck
 fi
 if [ $BENCH = 1 ]; then
     step "bench (bench/run.py)" bench.log 420 python3 bench/run.py --out "$OUT"
