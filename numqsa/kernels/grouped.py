@@ -43,6 +43,10 @@ from .smem import (shared_base, cp_async_16, cp_async_commit, cp_async_wait_fn, 
 __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
            "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
 
+#: No sm_70 build: cp.async and ldmatrix / movmatrix need sm_80 / sm_75; sm_70 runs the m8n8k4
+#: page-4 kernel (numqsa.kernels.page4).
+SM70 = False
+
 PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
 MAX_WARPS = 8          # warps per attention block (~170 registers a thread: 8 warps fit 64K)
 MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window still loads with 4
