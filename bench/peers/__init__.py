@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
+def triton_missing():
+    """Why a Triton peer cannot run here (torch, triton or a CUDA GPU missing), or ``None``."""
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"needs torch and triton ({err})"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    return None
+
+
 class Skip(Exception):
     """This implementation does not run this (stage, problem); the message says why."""
 

@@ -21,7 +21,7 @@ import os
 import sys
 import types
 
-from . import Call, Skip
+from . import Call, Skip, triton_missing
 
 NAME = "sglang"
 _S = {}
@@ -36,13 +36,9 @@ def _load_file(name, path):
 
 
 def load(args):
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError as err:
-        return f"needs torch and triton ({err})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    missing = triton_missing()
+    if missing:
+        return missing
     root = None
     spec = importlib.util.find_spec("sglang")
     if spec is not None and spec.submodule_search_locations:

@@ -24,7 +24,7 @@ import os
 import sys
 import types
 
-from . import Call, Skip
+from . import Call, Skip, triton_missing
 
 NAME = "trtllm"
 _K = {}
@@ -52,13 +52,9 @@ def _stand_ins(torch):
 
 
 def load(args):
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError as err:
-        return f"needs torch and triton ({err})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    missing = triton_missing()
+    if missing:
+        return missing
     try:
         from tensorrt_llm._torch.attention_backend.sparse.qsa import kernels
         _K.update(mod=kernels, source="installed tensorrt_llm")
@@ -68,6 +64,7 @@ def load(args):
     path = args.trtllm_kernels
     if not path or not os.path.exists(path):
         return f"TensorRT-LLM is not installed and its kernels file is absent ({path})"
+    import torch
     os.environ["TRTLLM_ENABLE_PDL"] = "0"
     _stand_ins(torch)
     spec = importlib.util.spec_from_file_location("trtllm_qsa_kernels", path)
