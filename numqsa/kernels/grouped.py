@@ -618,6 +618,18 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
         lt0 = _col_sum(ml[2], lane, scr)
         lt1 = _col_sum(ml[3], lane, scr)
+        # A head whose weights sum to 0 although the row has tokens (every score -inf) is 0 / 0:
+        # NaN, as the math says (its oacc is 0 then, so the plain division gives it); only a row
+        # with no tokens gives out 0, lse -inf. No branch in the store loops: one there keeps them
+        # from unrolling, and oacc goes to the stack.
+        zl = NEG_INF
+        den0 = lt0
+        den1 = lt1
+        if nv > int32(0):
+            zl = NAN
+        else:
+            den0 = F1
+            den1 = F1
         if writer:
             hA = U2 * t
             for i in range(2):
@@ -629,11 +641,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     mi = ml[1]
                 if g == U0 and hh < nh:
                     if npc == int32(1):
-                        lv = NEG_INF
+                        lv = zl
                         if li > F0 or li != li:
                             lv = mi + math.log(li)
-                        elif nv > int32(0):
-                            lv = NAN           # every score -inf: 0 / 0, as the math says
                         lse[row, h0 + hh] = lv
                     else:
                         part_ml[row, h0 + hh, piece_, 0] = mi
@@ -643,16 +653,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     dd = uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
                     hh = hA + (uint32(i) & U1)
                     if hh < nh:
-                        li = lt0
-                        if (i & 1) == 1:
-                            li = lt1
                         if npc == int32(1):
-                            o = F0
-                            if li > F0 or li != li:
-                                o = oacc[4 * mt + i] / li
-                            elif nv > int32(0):
-                                o = NAN
-                            out[row, h0 + hh, dd] = conv(o)
+                            den = den0
+                            if (i & 1) == 1:
+                                den = den1
+                            out[row, h0 + hh, dd] = conv(oacc[4 * mt + i] / den)
                         else:
                             part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
 
