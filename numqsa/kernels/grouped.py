@@ -38,7 +38,7 @@ from numba.cuda.types import float16
 from ..jit import SIMULATOR, device_jit, jit
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
 from .smem import (shared_base, cp_async_16, cp_async_commit, cp_async_wait_fn, ldmatrix_x4, ldmatrix_x4_trans,
-                   movmatrix_trans, shfl_xor_f32)
+                   movmatrix_trans, shfl_xor_f32, warp_any)
 
 __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
            "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
@@ -54,6 +54,14 @@ HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T i
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
 NEG_INF = float32(-math.inf)
 NAN = float32(math.nan)
+
+if SIMULATOR:
+    @device_jit
+    def fexp(x):
+        return math.exp(x)
+else:
+    # ex2.approx of x * log2(e): ~2 ulp, against ~20 instructions and a branch for expf
+    from numba.cuda.libdevice import fast_expf as fexp
 
 
 class GroupedConfig:
@@ -390,33 +398,47 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     def issue(dynr, sb, s, nstream, solo_row, win, piece_, kstart_s, wunion, pages, kw, vw, ks0, ks1,
               vs0, vs1, jk, jv, tid):
         """cp.async of stage ``s`` (stream pages ``s*SP ..``) into ring buffer ``s % NB``. Per page:
-        items (K/V, token row r, 16-byte chunk c16), chunks fastest (coalesced 512-byte rows)."""
+        items (K/V, token row r, 16-byte chunk c16), chunks fastest (coalesced 512-byte rows). A
+        thread's items are the same on every page, so their offsets are computed once per stage
+        (with D 256 and 8 warps, one item per thread): per page only the page id is read."""
         stage = sb + uint32(4 * SP * PW) * (uint32(s) % uint32(NB))
-        for q in range(SP):
-            u = int32(s) * int32(SP) + int32(q)
-            if u < nstream:
-                pg = int32(0)
-                sl = int32(0)
-                if solo_row < int32(0):
-                    pg = wunion[win, piece_, u, 0]
-                    sl = wunion[win, piece_, u, 1]
-                else:
-                    pg = pages[solo_row, kstart_s + u, 0]
-                    sl = pages[solo_row, kstart_s + u, 1]
-                for e in range(tid, uint32(IPP), UNT):
-                    c16 = e % uint32(NCH16)
-                    rest = e // uint32(NCH16)
-                    r = rest & U3
-                    key = (uint32((q & 1) << 2) | r) & uint32(SWZ)
-                    dst = uint32(stage + uint32(4) * ((uint32(4 * q) + r) * uint32(RW)
-                                                      + U4 * (c16 ^ key)))
-                    slr = int32(sl) + int32(r)
-                    if rest < U4:
-                        cp_async_16(dynr, dst, kw, int32(pg) * ks0 + slr * ks1 + jk
-                                    + int32(4 * c16), 16)
+        u0 = int32(s) * int32(SP)
+        nq = min(int32(SP), nstream - u0)
+        for e in range(tid, uint32(IPP), UNT):
+            c16 = e % uint32(NCH16)
+            rest = e // uint32(NCH16)
+            r = rest & U3
+            isv = rest >= U4
+            # the swizzle key's bit 2 is the ring page's parity (= q's: SP is even)
+            row = stage + uint32(4) * r * uint32(RW)
+            d_even = row + U4 * U4 * (c16 ^ (r & uint32(SWZ)))
+            d_odd = row + U4 * U4 * (c16 ^ ((U4 | r) & uint32(SWZ)))
+            st0 = ks0
+            st1 = ks1
+            col = jk + int32(4 * c16) + int32(r) * ks1
+            if isv:
+                d_even += uint32(4 * VOFF)
+                d_odd += uint32(4 * VOFF)
+                st0 = vs0
+                st1 = vs1
+                col = jv + int32(4 * c16) + int32(r) * vs1
+            for q in range(SP):
+                if int32(q) < nq:
+                    u = u0 + int32(q)
+                    pg = int32(0)
+                    sl = int32(0)
+                    if solo_row < int32(0):
+                        pg = wunion[win, piece_, u, 0]
+                        sl = wunion[win, piece_, u, 1]
                     else:
-                        cp_async_16(dynr, dst + uint32(4 * VOFF), vw, int32(pg) * vs0
-                                    + slr * vs1 + jv + int32(4 * c16), 16)
+                        pg = pages[solo_row, kstart_s + u, 0]
+                        sl = pages[solo_row, kstart_s + u, 1]
+                    dst = (d_odd if q & 1 else d_even) + uint32(16 * RW * q)
+                    off = int32(pg) * st0 + int32(sl) * st1 + col   # 64-bit: pools past 8 GiB
+                    if isv:
+                        cp_async_16(dynr, dst, vw, off, 16)
+                    else:
+                        cp_async_16(dynr, dst, kw, off, 16)
 
     @device_jit(forceinline=True)
     def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, scale):
@@ -471,43 +493,53 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         m1 = ml[1]
         mn0 = max(m0, _col_max(max(s0, s2), lane, scr))
         mn1 = max(m1, _col_max(max(s1, s3), lane, scr))
-        al0 = F1
-        al1 = F1
-        if mn0 != NEG_INF:
-            al0 = math.exp(m0 - mn0)
-        if mn1 != NEG_INF:
-            al1 = math.exp(m1 - mn1)
-        p0 = F0
-        p1 = F0
-        p2 = F0
-        p3 = F0
-        if s0 != NEG_INF:
-            p0 = math.exp(s0 - mn0)
-        if s1 != NEG_INF:
-            p1 = math.exp(s1 - mn1)
-        if s2 != NEG_INF:
-            p2 = math.exp(s2 - mn0)
-        if s3 != NEG_INF:
-            p3 = math.exp(s3 - mn1)
+        # selects, not branches: fexp(-inf) is 0, and only an all -inf max needs a guard (NaN)
+        al0 = fexp(m0 - mn0) if mn0 != NEG_INF else F1
+        al1 = fexp(m1 - mn1) if mn1 != NEG_INF else F1
+        p0 = fexp(s0 - mn0) if s0 != NEG_INF else F0
+        p1 = fexp(s1 - mn1) if s1 != NEG_INF else F0
+        p2 = fexp(s2 - mn0) if s2 != NEG_INF else F0
+        p3 = fexp(s3 - mn1) if s3 != NEG_INF else F0
         ml[0] = mn0
         ml[1] = mn1
         ml[2] = ml[2] * al0 + (p0 + p2)
         ml[3] = ml[3] * al1 + (p1 + p3)
         bq0 = movmatrix_trans(pack(p0, p1), scr, lane)
         bq1 = movmatrix_trans(pack(p2, p3), scr, lane)
-        o2 = int32(2) * int32(t & U1)
-        mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
-        mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
-        for mt in range(NKS):
-            a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv) ^ keyv)),
-                                  scr, lane)
-            cc = (oacc[4 * mt] * al0, oacc[4 * mt + 1] * al1, oacc[4 * mt + 2] * al0,
-                  oacc[4 * mt + 3] * al1)
-            res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr, lane)
-            oacc[4 * mt] = res[0]
-            oacc[4 * mt + 1] = res[1]
-            oacc[4 * mt + 2] = res[2]
-            oacc[4 * mt + 3] = res[3]
+        # O^T rescale only when a running max moved in some lane (x * 1 is x: same bits either way)
+        if warp_any(al0 != F1 or al1 != F1, scr, lane):
+            for x in range(NKS):
+                oacc[4 * x] *= al0
+                oacc[4 * x + 1] *= al1
+                oacc[4 * x + 2] *= al0
+                oacc[4 * x + 3] *= al1
+        # V rows past a partial page's tokens must not reach O (0 * NaN): masked, but only in the
+        # chunk that has such a page (a row's last); k0..k0+3 are the same in every lane
+        if k0 + int32(3) < k1 - int32(1) or (k0 + int32(3) == k1 - int32(1) and
+                                               (k1 < nv or tl == int32(0))):
+            for mt in range(NKS):
+                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
+                                                                        ^ keyv)), scr, lane)
+                cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
+                res = mma(a, (bq0, bq1), cc, scr, lane)
+                oacc[4 * mt] = res[0]
+                oacc[4 * mt + 1] = res[1]
+                oacc[4 * mt + 2] = res[2]
+                oacc[4 * mt + 3] = res[3]
+        else:
+            o2 = int32(2) * int32(t & U1)
+            mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
+            mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
+            for mt in range(NKS):
+                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
+                                                                        ^ keyv)), scr, lane)
+                cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
+                res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr,
+                          lane)
+                oacc[4 * mt] = res[0]
+                oacc[4 * mt + 1] = res[1]
+                oacc[4 * mt + 2] = res[2]
+                oacc[4 * mt + 3] = res[3]
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
                windows, wunion, wmeta, ownu, nf, scale, out, lse, part_o, part_ml):
@@ -832,10 +864,11 @@ def _resource_cases():
     cases = [("grouped_window_plan", make_window_plan_kernel(256, PIECE, 8, 4),
               "void(int32[:, :], int32, int32[:, :, :], int32[:], int32[:], int32[:], int32[:, :], int32, "
               "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
-    sig = ("void(uint32[:], int64, int64, uint32[:], uint32[:], int64, int64, int64, int64, int64, "
-           "int64, int32[:, :, :], "
-           "int32[:], int32[:], int32[:, :], int32[:, :, :, :], int32[:, :, :], int32[:, :], int32, "
-           "float32, float16[:, :, :], float32[:, :], float32[:, :, :, :], float32[:, :, :, :])")
+    # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
+    sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
+           "int64, int64, int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
+           "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], int32, float32, float16[:, :, :], "
+           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1])")
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16")

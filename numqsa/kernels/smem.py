@@ -17,6 +17,7 @@ arithmetic stays 32-bit.
 - ``movmatrix_trans(w, scratch, lane)``: the warp's 8x8 b16 matrix (lane ``4g + t`` holding row ``g``,
   columns ``2t, 2t+1``) transposed in registers (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+).
 - ``shfl_xor_f32(x, mask, scratch, lane)``: ``x`` of lane ``lane ^ mask``.
+- ``warp_any(pred, scratch, lane)``: whether ``pred`` holds in any lane of the warp (``vote.any``).
 
 Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
 scratch row with the mma module's per-warp barrier, so (as for the mma stand-ins) all 32 lanes of a
@@ -34,7 +35,7 @@ from ..jit import SIMULATOR, device_jit
 from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
 __all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4", "ldmatrix_x4_trans",
-           "movmatrix_trans", "shfl_xor_f32"]
+           "movmatrix_trans", "shfl_xor_f32", "warp_any"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
 # either kind may alternate on one scratch row (see mma._sim_buffer).
@@ -161,6 +162,10 @@ def _gpu_shfl_xor_f32(x, mask, scratch, lane):
     return cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
 
 
+def _gpu_warp_any(pred, scratch, lane):
+    return cuda.any_sync(0xFFFFFFFF, pred)
+
+
 # ------------------------------------------------------------------------------------------------
 # Simulator stand-ins
 # ------------------------------------------------------------------------------------------------
@@ -235,6 +240,11 @@ def _sim_shfl_xor_f32(x, mask, scratch, lane):
     return np.uint32(words[lane ^ int(mask)]).view(np.float32)
 
 
+def _sim_warp_any(pred, scratch, lane):
+    words = _sim_exchange(scratch, int(lane), [1 if pred else 0])[:, 0]
+    return bool(words.any())
+
+
 cp_async_16 = _pick(_sim_cp_async_16, _gpu_cp_async_16, "16-byte async global->shared copy.")
 shared_base = _pick(_sim_shared_base, _gpu_shared_base,
                     "Shared-window byte address of a shared uint32 array (0 in the simulator).")
@@ -245,6 +255,8 @@ ldmatrix_x4_trans = _pick(_sim_ldmatrix_x4_trans, _gpu_ldmatrix_x4_trans,
 movmatrix_trans = _pick(_sim_movmatrix_trans, _gpu_movmatrix_trans, "8x8 b16 transpose in registers.")
 shfl_xor_f32 = (cuda.jit(device=True)(_sim_shfl_xor_f32) if SIMULATOR
                 else device_jit(_gpu_shfl_xor_f32, forceinline=True))
+warp_any = (cuda.jit(device=True)(_sim_warp_any) if SIMULATOR
+            else device_jit(_gpu_warp_any, forceinline=True))
 
 
 @functools.lru_cache(maxsize=None)
