@@ -48,7 +48,7 @@ __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_g
 SM70 = False
 
 PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
-MAX_WARPS = 8          # warps per attention block (~170 registers a thread: 8 warps fit 64K)
+MAX_WARPS = 8          # warps per attention block
 MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window still loads with 4
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
@@ -695,7 +695,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     kernel.__name__ = f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_{dtype}_{out_kind}"
     kernel.__qualname__ = kernel.__name__
-    k = jit(kernel)
+    k = jit(kernel, launch_bounds=(NT, 1))   # registers fit one block of NT threads
     k.threads = NT
     return k
 
