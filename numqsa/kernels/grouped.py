@@ -49,6 +49,7 @@ SM70 = False
 
 PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
 MAX_WARPS = 8          # warps per attention block
+SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
 MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window still loads with 4
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
@@ -370,6 +371,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NCH16 = D // 8                     # 16-byte chunks per token row
     SWZ = min(8, NCH16) - 1
     IPP = 2 * 4 * NCH16                # 16-byte copies per page (K and V, 4 token rows)
+    UCAP = G * OWNMAX                  # union entries of one piece, at most (launch_grouped's cap)
+    # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
+    # load there stalls every warp on long scoreboard), when they fit beside the ring
+    STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS
+               <= SMEM_BLOCK_MAX)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
     F0, F1 = float32(0), float32(1)
@@ -395,8 +401,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             w5()
 
     @device_jit(forceinline=True)
-    def issue(dynr, sb, s, nstream, solo_row, win, piece_, kstart_s, wunion, pages, kw, vw, ks0, ks1,
-              vs0, vs1, jk, jv, tid):
+    def issue(dynr, sb, s, nstream, solo_row, win, piece_, kstart_s, su, wunion, pages, kw, vw, ks0,
+              ks1, vs0, vs1, jk, jv, tid):
         """cp.async of stage ``s`` (stream pages ``s*SP ..``) into ring buffer ``s % NB``. Per page:
         items (K/V, token row r, 16-byte chunk c16), chunks fastest (coalesced 512-byte rows). A
         thread's items are the same on every page, so their offsets are computed once per stage
@@ -427,7 +433,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     u = u0 + int32(q)
                     pg = int32(0)
                     sl = int32(0)
-                    if solo_row < int32(0):
+                    if solo_row < int32(0) and STAGE_U:
+                        pg = su[u, 0]
+                        sl = su[u, 1]
+                    elif solo_row < int32(0):
                         pg = wunion[win, piece_, u, 0]
                         sl = wunion[win, piece_, u, 1]
                     else:
@@ -546,6 +555,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         dyn = cuda.shared.array(0, uint32)
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
         sown_all = cuda.shared.array((G, OWNMAX), int32)
+        su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
         tid = uint32(cuda.threadIdx.x)
         warp = tid >> uint32(5)
         lane = tid & uint32(31)
@@ -597,6 +607,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if writer and ht == U0:
             for x in range(kstart + int32(lane), kend, int32(32)):
                 sown[x - kstart] = ownu[row, x]
+        if STAGE_U:
+            for x in range(tid, uint32(2 * nstream0), UNT):
+                su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
         cuda.syncthreads()
         jk = int32(j) * ks2
         jv = int32(j) * vs2
@@ -622,16 +635,16 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             nst = (nstream + int32(SP - 1)) // int32(SP)
             for s in range(nf):
                 if s < nst:
-                    issue(dyn, sb, s, nstream, solo_row, win, piece_, kst, wunion, pages, kw, vw, ks0,
-                          ks1, vs0, vs1, jk, jv, tid)
+                    issue(dyn, sb, s, nstream, solo_row, win, piece_, kst, su, wunion, pages, kw, vw,
+                          ks0, ks1, vs0, vs1, jk, jv, tid)
                 cp_async_commit()
             c = kstart
             for s in range(nst):
                 wait_pending(nf - int32(1))
                 cuda.syncthreads()
                 if s + nf < nst:
-                    issue(dyn, sb, s + nf, nstream, solo_row, win, piece_, kst, wunion, pages, kw, vw,
-                          ks0, ks1, vs0, vs1, jk, jv, tid)
+                    issue(dyn, sb, s + nf, nstream, solo_row, win, piece_, kst, su, wunion, pages, kw,
+                          vw, ks0, ks1, vs0, vs1, jk, jv, tid)
                 cp_async_commit()
                 if mine:
                     lim = (s + int32(1)) * int32(SP)
