@@ -93,14 +93,12 @@ def ordered_bits(b):
     """float32 bits -> uint32 whose unsigned order is the float order; -0.0 maps like +0.0.
 
     Every NaN (either sign, any payload) maps to the one largest key: NaN ranks above +inf, and
-    NaNs tie, so the lowest group ids among them win (``torch.topk``'s order; the oracle's rule)."""
-    if (b & ABS_MASK) > EXP_MASK:
-        return FULL_MASK
-    if b == SIGN:
-        b = uint32(0)
-    if b & SIGN:
-        return ~b
-    return b | SIGN
+    NaNs tie, so the lowest group ids among them win (``torch.topk``'s order; the oracle's rule).
+    Branch-free (selects): it runs once per score and pass."""
+    b = uint32(0) if b == SIGN else b
+    flip = uint32(uint32(0) - (b >> uint32(31)))  # all ones for negatives
+    k = uint32(b ^ (flip | SIGN))                 # negatives: ~b, others: b | sign
+    return FULL_MASK if (b & ABS_MASK) > EXP_MASK else k
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,6 +392,8 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
                     if (k & mask) == prefix:
                         cuda.atomic.add(hist, (k >> shift) & bmask, int32(1))
             else:
+                # run-length merged: an all-zero plateau costs one atomic per thread, not one per
+                # score (a warp-aggregated match.any measured slower: 0.57 vs 0.47 ms at 4096 x 32K)
                 run_bin = uint32(0)
                 run_cnt = int32(0)
                 for e0 in range(0, nb, uint32(NT * UN)):
@@ -517,7 +517,8 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
     return topk_bitmap
 
 
-_SIG = "void(uint32[:, :], int32[:], int32[:], int32[:], int32[:, :])"
+# as launched: C-contiguous score blocks, metadata and outputs
+_SIG = "void(uint32[:, ::1], int32[::1], int32[::1], int32[::1], int32[:, ::1])"
 RESOURCE_CASES = [
     (f"topk.kb512.t{t}", make_topk_kernel(t, 512, 4), _SIG, t, 0, cc)
     for t in (256,) for cc in ((7, 0), (9, 0))
