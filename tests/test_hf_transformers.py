@@ -1,0 +1,248 @@
+"""numqsa.integrations.transformers against HF transformers' own Qwen4Exp QSA path.
+
+Simulator tier (torch CPU + transformers installed, numba CUDA simulator): a tiny random model, the
+integration's selection and output against HF's, generation, fallbacks. GPU tier (``-m gpu``): the
+real QSA geometry on 4096-token prompts, float32 and bfloat16, greedy generation.
+Skipped without torch / transformers (CI has neither).
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+modeling = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
+
+import oracle  # noqa: E402
+from numqsa.integrations import transformers as nt  # noqa: E402
+from numqsa.jit import SIMULATOR  # noqa: E402
+from numqsa.testing import TOLERANCES, assert_selection_matches, compare  # noqa: E402
+
+R = 4  # compress ratio of every Qwen4Exp checkpoint
+
+# Tiny: index 2 x 16, budget 4 tokens (Kb = 1) so that 9 tokens already select; attention 4 / 2 / 32.
+TINY = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, hc_count=2, hc_lowrank=8, indexer_n_heads=2,
+            indexer_head_dim=16, indexer_budget=4, max_position_embeddings=256)
+# The production QSA geometry (indexer 4 x 128, budget 2048 = Kb 512; attention 24 / 2 / 256, partial
+# rotary 0.25, theta 1e7); everything outside QSA small (vocab, experts).
+REAL = dict(vocab_size=1024, hidden_size=2048, num_attention_heads=24, num_key_value_heads=2,
+            head_dim=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+            shared_expert_intermediate_size=256, indexer_n_heads=4, indexer_head_dim=128,
+            indexer_budget=2048, max_position_embeddings=32768)
+
+
+def make_model(geometry, layer_types=("qwen_sparse_attention",), dtype=torch.float32, device="cpu",
+               seed=0, attn_implementation="sdpa"):
+    cfg = Qwen4ExpTextConfig(**geometry, num_hidden_layers=len(layer_types),
+                             layer_types=list(layer_types), indexer_kv_heads=1,
+                             indexer_compress_ratio=R,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                              "partial_rotary_factor": 0.25})
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = modeling.Qwen4ExpTextModel(cfg).eval()
+    # HF initialises the norms' weights to 0 (scale 1): random weights exercise the (1 + w) terms.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "norm" in name.split(".")[-2]:
+                p.normal_(0.0, 0.3)
+    return model.to(device=device, dtype=dtype)
+
+
+class Capture:
+    """HF's indexer calls of one QSA layer: inputs and the selection mask HF returned."""
+
+    def __init__(self, indexer):
+        self.calls = []
+        self.handle = indexer.register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        hs, pe, mask = args[:3]
+        self.calls.append(dict(hidden=hs.detach(), pe=tuple(x.detach() for x in pe),
+                               mask=mask.detach(), selected=output.detach()))
+
+    def remove(self):
+        self.handle.remove()
+
+
+def groups_from_tokens(tokens, counts, nb, Kb):
+    """The complete groups of each row's token list (its tail, ``r*nb ..``, left out), ``-1`` padded."""
+    tokens, counts = np.asarray(tokens), np.asarray(counts)
+    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
+    for i in range(tokens.shape[0]):
+        t = np.sort(tokens[i, :counts[i]])
+        g = np.unique(t[t < R * nb[i]] // R)
+        groups[i, :g.size] = g
+    return groups
+
+
+def hf_tokens(selected, attention_mask):
+    """HF's selected token ids per row from its indexer's mask (``&`` the causal mask), ascending."""
+    sel = selected[0, 0]
+    vis = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
+    sel = (sel if sel.dtype == torch.bool else sel == 0) & vis
+    rows = sel.shape[0]
+    counts = sel.sum(-1).cpu().numpy().astype(np.int32)
+    width = int(counts.max()) if rows else 0
+    tokens = np.full((rows, max(width, 1)), -1, np.int32)
+    nz = torch.nonzero(sel).cpu().numpy()
+    for i in range(rows):
+        t = nz[nz[:, 0] == i, 1]
+        tokens[i, :t.size] = t
+    return tokens, counts
+
+
+def selection_report(indexer, call, tokens, counts):
+    """Spec §8 for numqsa's and HF's selections of one prefill call (batch 1), against the float64
+    scores of HF's own index values; returns the number of rows where the two choose differently."""
+    with torch.no_grad():
+        qi, kc = nt.index_inputs(indexer, call["hidden"], call["pe"])
+    S, skv = qi.shape[1], call["mask"].shape[-1]
+    Kb = indexer.block_topk
+    pos = np.arange(skv - S, skv, dtype=np.int32)
+    req, lens = np.zeros(S, np.int32), np.array([skv], np.int32)
+    G = kc.shape[1]
+    cache = kc.double().cpu().numpy() if G else np.zeros((1, 1, kc.shape[2]))
+    scores = oracle.index_scores(qi[0].double().cpu().numpy(), cache, np.zeros((1, 1), np.int32),
+                                 req, pos, lens, r=R)
+    _, _, _, nb = oracle.row_states(req, pos, lens, R)
+    ours = groups_from_tokens(tokens, counts, nb, Kb)
+    assert_selection_matches(ours, np.asarray(tokens), np.asarray(counts), scores, req, pos, lens,
+                             Kb=Kb)
+    ht, hc = hf_tokens(call["selected"], call["mask"])
+    theirs = groups_from_tokens(ht, hc, nb, Kb)
+    want_t, want_c = oracle.expand_tokens(theirs, req, pos, lens, r=R)
+    np.testing.assert_array_equal(hc, want_c, err_msg="HF's counts")
+    np.testing.assert_array_equal(ht, want_t[:, :ht.shape[1]], err_msg="HF's tokens (tail)")
+    assert_selection_matches(theirs, want_t, want_c, scores, req, pos, lens, Kb=Kb)
+    return int((ours != theirs).any(axis=1).sum())
+
+
+def run_both(model, ids, **kw):
+    """HF's output and selection, then numqsa's, on the same model and input."""
+    attn = nt._qsa_modules(model)[0]
+    cap = Capture(attn.indexer)
+    with torch.no_grad():
+        ref = model(ids, **kw).last_hidden_state
+        cap.remove()
+        nt.enable(model, keep_selection=True)
+        try:
+            got = model(ids, **kw).last_hidden_state
+        finally:
+            selection = attn.numqsa_selection
+            nt.disable(model)
+    return ref, got, cap.calls[0], selection
+
+
+# ---- simulator tier --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
+def test_prefill_matches_hf_sim(seed):
+    model = make_model(TINY, seed=seed)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 10), generator=torch.Generator().manual_seed(seed))
+    ref, got, call, (tokens, counts) = run_both(model, ids, use_cache=True)
+    attn = nt._qsa_modules(model)[0]
+    assert selection_report(attn.indexer, call, tokens, counts) == 0
+    st = compare(got.numpy(), ref.double().numpy())
+    assert st["rel_l2"] <= TOLERANCES["float32"].rel_l2, st
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
+def test_greedy_generation_matches_hf_sim(seed):
+    model = make_model(TINY, seed=seed)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(seed))
+    want, got = generate_both(_causal_lm(model), ids, new_tokens=3)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def generate_both(lm, ids, new_tokens):
+    """Greedy tokens of HF, then of HF + numqsa (checked to have run numqsa, prefill and decode)."""
+    from transformers import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0)
+    attn = nt._qsa_modules(lm)[0]
+    before = lm.config._attn_implementation
+    with torch.no_grad():
+        want = lm.generate(ids, generation_config=gen)
+        nt.enable(lm, keep_selection=True)
+        assert lm.config._attn_implementation == nt.NAME
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = lm.generate(ids, generation_config=gen)
+        rows = attn.numqsa_selection[1].shape[0]
+        nt.disable(lm)
+    assert not [x for x in w if str(x.message).startswith("numqsa:")], [str(x.message) for x in w]
+    assert rows == 1, "the last step (a decode step) did not run through numqsa"
+    assert lm.config._attn_implementation == before
+    return want, got
+
+
+def _causal_lm(text_model):
+    """A ``Qwen4ExpForCausalLM`` around ``text_model``'s weights (random head)."""
+    lm = modeling.Qwen4ExpForCausalLM(text_model.config).eval()
+    lm.model.load_state_dict(text_model.state_dict())
+    return lm.to(dtype=next(text_model.parameters()).dtype, device=text_model.device)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
+def test_left_padding_falls_back_with_a_warning_sim(seed):
+    model = make_model(TINY, seed=seed)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).last_hidden_state
+        nt.enable(model)
+        nt._warned.clear()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = model(ids, attention_mask=mask).last_hidden_state
+        nt.disable(model)
+    assert any("left padding" in str(x.message) for x in w), [str(x.message) for x in w]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_unsupported_reasons():
+    model = make_model(TINY)
+    attn = nt._qsa_modules(model)[0]
+    h = torch.zeros(1, 4, TINY["hidden_size"], dtype=torch.float64)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    assert "dtype" in nt._why_unsupported(attn, h, mask) or not SIMULATOR
+    assert "heads" in nt._why_unsupported(attn, h.float(), mask.expand(1, 2, 4, 4))
+    counts, why = nt.visible_prefix(mask)
+    assert why == "" and counts.tolist() == [[1, 2, 3, 4]]
+    left = mask.clone()
+    left[0, 0, :, 0] = False
+    assert nt.visible_prefix(left)[0] is None
+    right = mask.clone()
+    right[0, 0, :, 3] = False                    # right padding: the last key is a pad
+    assert nt.visible_prefix(right)[0].tolist() == [[1, 2, 3, 3]]
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert nt.visible_prefix(additive)[0].tolist() == [[1, 2, 3, 4]]
+
+
+def test_pages_view_declares_whole_groups():
+    x = torch.arange(2 * 3 * 6 * 5, dtype=torch.float32).reshape(2, 3, 6, 5)   # [B, Hkv, S, D]
+    v = nt._StridedView(x, (2, 8, 3, 5), (90, 5, 30, 1)).__cuda_array_interface__
+    assert v["shape"] == (2, 8, 3, 5) and v["strides"] == (360, 20, 120, 4)
+    assert v["data"][0] == x.data_ptr() and v["typestr"] == "<f4"
+    pages = nt._pages(x, R)                       # CPU: the simulator's padded NumPy copy
+    assert pages.shape == (2, 8, 3, 5)
+    np.testing.assert_array_equal(pages[:, :6], x.transpose(1, 2).numpy())
+
+
+def test_enable_disable_round_trip():
+    model = make_model(TINY)
+    attn = nt._qsa_modules(model)[0]
+    nt.enable(model)
+    assert nt.is_enabled(model) and "forward" in attn.indexer.__dict__
+    assert model.config._attn_implementation == nt.NAME
+    nt.disable(model)
+    assert not nt.is_enabled(model) and "forward" not in attn.indexer.__dict__
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError):
+        nt.enable(torch.nn.Linear(2, 2))
