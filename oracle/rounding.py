@@ -58,7 +58,9 @@ def rope_tables(pos, rot=64, theta=1e7, dtype="float32"):
     """HF's ``(cos, sin)`` ``[..., rot]`` for positions ``pos``: float32 angles, float32 cos/sin
     rounded to ``dtype``, the half-table repeated (``cat((f, f))``) as ``rotate_half`` pairs it."""
     exponent = np.arange(0, rot, 2, dtype=_F32) / _F32(rot)
-    inv_freq = (_F32(1.0) / np.power(_F32(theta), exponent, dtype=_F32)).astype(_F32)
+    # torch's float32 pow is correctly rounded here (checked on CPU, where HF builds the table)
+    power = (float(theta) ** exponent.astype(np.float64)).astype(_F32)
+    inv_freq = (_F32(1.0) / power).astype(_F32)
     ang = (np.asarray(pos, dtype=_F32)[..., None] * inv_freq).astype(_F32)
     # float64 cos/sin of the float32 angle, rounded once: float32 libm differs by at most an ulp
     cos = round_to(np.cos(ang.astype(np.float64)).astype(_F32), dtype)

@@ -50,7 +50,11 @@ def make_model(geometry, layer_types=("qwen_sparse_attention",), dtype=torch.flo
         for name, p in model.named_parameters():
             if "layernorm" in name or "norm" in name.split(".")[-2]:
                 p.normal_(0.0, 0.3)
-    return model.to(device=device, dtype=dtype)
+    freqs = [(m, m.inv_freq.clone()) for m in model.modules() if hasattr(m, "inv_freq")]
+    model = model.to(device=device, dtype=dtype)
+    for m, f in freqs:      # as from_pretrained leaves them: float32 RoPE frequencies in any dtype
+        m.inv_freq = f.to(device)
+    return model
 
 
 class Capture:
@@ -120,6 +124,60 @@ def selection_report(indexer, call, tokens, counts):
     np.testing.assert_array_equal(ht, want_t[:, :ht.shape[1]], err_msg="HF's tokens (tail)")
     assert_selection_matches(theirs, want_t, want_c, scores, req, pos, lens, Kb=Kb)
     return int((ours != theirs).any(axis=1).sum())
+
+
+# Two float64 scores closer than this (relative) are a tie for an engine that sums Hi x Di products in
+# float32 in its own order (2^-20 ~ 1e-6: a few float32 ulps of the sum).
+TIE = 2.0 ** -20
+
+
+def chain_report(model, call, rounding):
+    """HF's index values and selection of one call (batch 1, causal) against the oracle's emulation
+    of HF's rounding chain (``rounding``, e.g. ``"hf-bf16"``) from HF's raw projections.
+
+    Returns the fraction of index-query / key elements the emulation reproduces bit for bit, the
+    sparse rows, the rows where HF chose a group that the emulated chain does not tie with its
+    ``Kb``-th best (must be none but for the rare element the emulation misses by an ulp), and the
+    rows where HF's choice leaves the spec's 1e-4 band of the float64 truth."""
+    from oracle import rounding as chains
+    indexer = nt._qsa_modules(model)[0].indexer
+    with torch.no_grad():
+        qi, kc = nt.index_inputs(indexer, call["hidden"], call["pe"])
+        hi, di = indexer.index_n_heads, indexer.index_head_dim
+        q, k = indexer.index_qk_proj(call["hidden"]).split([hi * di, di], dim=-1)
+    S, G, Kb = q.shape[1], kc.shape[1], indexer.block_topk
+    rot, theta = call["pe"][0].shape[-1], float(model.config.rope_parameters["rope_theta"])
+    q_raw, k_raw = q[0].reshape(S, hi, di).double().cpu().numpy(), k[0].double().cpu().numpy()
+    w_q = indexer.q_layernorm.weight.detach().double().cpu().numpy()
+    w_k = indexer.k_layernorm.weight.detach().double().cpu().numpy()
+    eps = indexer.q_layernorm.eps
+    pos = np.arange(S)
+    q_e = chains.index_queries(q_raw, w_q, pos, rounding=rounding, eps=eps, rot=rot, theta=theta)
+    k_e = chains.index_keys(k_raw[:G * R].reshape(G, R, di), w_k, R * np.arange(G), rounding=rounding,
+                            eps=eps, rot=rot, theta=theta)
+    q_hf, k_hf = qi[0].double().cpu().numpy(), kc[0].double().cpu().numpy()
+    req, lens = np.zeros(S, np.int32), np.array([S], np.int32)
+    table = np.zeros((1, 1), np.int32)
+    s_e = oracle.index_scores(q_e, k_e[None], table, req, pos, lens, r=R)
+    q_t = oracle.index_queries(q_raw, w_q, req, pos, lens, eps=eps, rot=rot, theta=theta)
+    k_t = oracle.rope(oracle.gnorm(k_raw[:G * R].reshape(G, R, di).mean(axis=1), w_k, eps),
+                      R * np.arange(G), rot, theta)
+    s_t = oracle.index_scores(q_t, k_t[None], table, req, pos, lens, r=R)
+    _, _, _, nb = oracle.row_states(req, pos, lens, R)
+    ht, hc = hf_tokens(call["selected"], call["mask"])
+    hf_groups = groups_from_tokens(ht, hc, nb, Kb)
+    sparse = np.flatnonzero(nb > Kb)
+    not_tie, outside = [], []
+    for i in sparse:
+        chosen = np.zeros(nb[i], bool)
+        chosen[hf_groups[i][hf_groups[i] >= 0]] = True
+        for s, band, bad in ((s_e[i, :nb[i]], TIE, not_tie), (s_t[i, :nb[i]], 1e-4, outside)):
+            s_k = np.sort(s)[::-1][Kb - 1]
+            eps_i = band * max(1.0, abs(s_k))
+            if (~chosen & (s > s_k + eps_i)).any() or (chosen & (s < s_k - eps_i)).any():
+                bad.append(int(i))
+    return dict(q_equal=float((q_e == q_hf).mean()), k_equal=float((k_e == k_hf).mean()),
+                sparse_rows=int(sparse.size), not_tie=not_tie, outside_truth_band=len(outside))
 
 
 def run_both(model, ids, **kw):
@@ -204,6 +262,22 @@ def test_left_padding_falls_back_with_a_warning_sim(seed):
         nt.disable(model)
     assert any("left padding" in str(x.message) for x in w), [str(x.message) for x in w]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_oracle_reproduces_hf_rounding_chain_cpu(dtype):
+    # The real index geometry (4 x 128, rot 64) on 600 tokens, Kb 64: no numqsa kernel involved.
+    geometry = dict(TINY, indexer_n_heads=4, indexer_head_dim=128, indexer_budget=256, head_dim=256,
+                    max_position_embeddings=4096)
+    model = make_model(geometry, dtype=dtype)
+    cap = Capture(nt._qsa_modules(model)[0].indexer)
+    ids = torch.randint(0, geometry["vocab_size"], (1, 600), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        model(ids)
+    rep = chain_report(model, cap.calls[0], "hf-bf16" if dtype == torch.bfloat16 else "hf-fp32")
+    if dtype == torch.bfloat16:   # float32 libm and sum-order ulps rarely cross a bf16 rounding
+        assert rep["q_equal"] > 0.999 and rep["k_equal"] > 0.999, rep
+    assert rep["sparse_rows"] > 300 and not rep["not_tie"], rep
 
 
 def test_unsupported_reasons():
