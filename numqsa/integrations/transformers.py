@@ -159,7 +159,14 @@ def disable(model):
         for name in ("_numqsa_pending", "_numqsa_keep", "numqsa_selection"):
             attn.__dict__.pop(name, None)
     if model.config._attn_implementation == NAME:
-        model.set_attn_implementation(_fallback_name(model.config))
+        cfg = model.config
+        subs = [k for k in getattr(cfg, "sub_configs", {}) if getattr(cfg, k, None) is not None]
+        model.set_attn_implementation({"": _fallback_name(cfg),
+                                       **{k: _fallback_name(getattr(cfg, k)) for k in subs}})
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and "_numqsa_fallback" in vars(cfg):
+            del cfg._numqsa_fallback
     return model
 
 
@@ -284,8 +291,9 @@ def _pages(x, r):
     if x.is_cuda:
         if not pad:
             return x.transpose(1, 2)
+        from numba import cuda
         sb, sh, ss, sd = x.stride()
-        return _StridedView(x, (B, S + pad, H, D), (sb, ss, sh, sd))
+        return cuda.as_cuda_array(_StridedView(x, (B, S + pad, H, D), (sb, ss, sh, sd)), sync=False)
     a = x.transpose(1, 2).numpy()           # the simulator: NumPy, copied in by numqsa anyway
     return np.concatenate([a, np.zeros((B, pad, H, D), a.dtype)], axis=1) if pad else a
 
