@@ -317,6 +317,13 @@ def test_enable_disable_round_trip():
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError):
         nt.enable(torch.nn.Linear(2, 2))
+    # an instance-level forward already there (accelerate's hooks) is HF's path and comes back
+    hf = attn.indexer.forward
+    attn.indexer.forward = hf
+    nt.enable(model)
+    assert nt.is_enabled(model) and attn.indexer.forward is not hf
+    nt.disable(model)
+    assert attn.indexer.__dict__["forward"] is hf
 
 
 # ---- GPU tier (the lead runs these on an H200) ----------------------------------------------------

@@ -89,7 +89,7 @@ def _modeling(module):
 
 
 def _qsa_modules(model):
-    """The model's QSA attention modules: those with an ``indexer`` and HF's attention forward."""
+    """The model's QSA attention modules (``Qwen4ExpTextAttention``, each with its ``indexer``)."""
     return [m for m in model.modules()
             if type(m).__name__ == "Qwen4ExpTextAttention" and hasattr(m, "indexer")]
 
@@ -114,7 +114,11 @@ def _register():
 def is_enabled(model):
     """True if ``enable`` hooked this model's QSA layers."""
     mods = _qsa_modules(model)
-    return bool(mods) and all("forward" in m.indexer.__dict__ for m in mods)
+    return bool(mods) and all(_hooked(m.indexer) for m in mods)
+
+
+def _hooked(indexer):
+    return getattr(indexer.__dict__.get("forward"), "_numqsa", False)
 
 
 def enable(model, *, keep_selection=False):
@@ -140,12 +144,16 @@ def enable(model, *, keep_selection=False):
     model.set_attn_implementation(NAME)
     for attn in mods:
         indexer = attn.indexer
-        hf_forward = type(indexer).forward.__get__(indexer)
+        # An instance-level forward already there (accelerate's device hooks) is kept: it is HF's
+        # path for the fallback, and disable() puts it back.
+        indexer._numqsa_prev = indexer.__dict__.get("forward")
+        hf_forward = indexer.forward
 
         def forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                     _indexer=indexer, _attn=attn, _hf=hf_forward):
             return _indexer_forward(_indexer, _attn, _hf, hidden_states, position_embeddings,
                                     attention_mask, past_key_values)
+        forward._numqsa = True
         indexer.forward = forward
         attn._numqsa_keep = bool(keep_selection)
         attn._numqsa_pending = None
@@ -155,7 +163,12 @@ def enable(model, *, keep_selection=False):
 def disable(model):
     """Undo :func:`enable`: HF's indexer and the previous attention implementation."""
     for attn in _qsa_modules(model):
-        attn.indexer.__dict__.pop("forward", None)
+        indexer = attn.indexer
+        if _hooked(indexer):
+            prev = indexer.__dict__.pop("_numqsa_prev", None)
+            del indexer.forward
+            if prev is not None:
+                indexer.forward = prev
         for name in ("_numqsa_pending", "_numqsa_keep", "numqsa_selection"):
             attn.__dict__.pop(name, None)
     if model.config._attn_implementation == NAME:
@@ -179,6 +192,8 @@ def _why_unsupported(attn, hidden_states, attention_mask):
         return f"dtype {hidden_states.dtype} (numqsa takes float16, float32, bfloat16 via float32)"
     if torch.is_grad_enabled() and (hidden_states.requires_grad or attn.training):
         return "autograd (numqsa kernels have no backward; run under torch.no_grad())"
+    if attn.training and attn.attention_dropout > 0:
+        return "attention dropout in training (numqsa attends without dropout)"
     if attention_mask is None or attention_mask.ndim != 4:
         return "no 4-D attention mask"
     if attention_mask.shape[1] != 1:
