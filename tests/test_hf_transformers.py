@@ -236,6 +236,30 @@ def generate_both(lm, ids, new_tokens):
     return want, got
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
+def test_right_padded_batch_matches_hf_sim(seed):
+    # Two requests, the second right-padded: every mask row sees a prefix, so numqsa takes it
+    # (request ids, one page per request, pad rows at position len - 1).
+    model = make_model(TINY, seed=seed)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).last_hidden_state
+        nt.enable(model, keep_selection=True)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = model(ids, attention_mask=mask).last_hidden_state
+        _, counts = nt._qsa_modules(model)[0].numqsa_selection
+        nt.disable(model)
+    assert not [x for x in w if str(x.message).startswith("numqsa:")], [str(x.message) for x in w]
+    # selected tokens per row: all visible ones up to 7 (Kb*r + r - 1), then one group + the tail
+    np.testing.assert_array_equal(np.asarray(counts), [*range(1, 8), 4, 5, *range(1, 7), 6, 6, 6])
+    st = compare(got.numpy(), want.double().numpy())
+    assert st["rel_l2"] <= TOLERANCES["float32"].rel_l2, st
+
+
 def _causal_lm(text_model):
     """A ``Qwen4ExpForCausalLM`` around ``text_model``'s weights (random head)."""
     lm = modeling.Qwen4ExpForCausalLM(text_model.config).eval()
