@@ -19,8 +19,8 @@ median of 3 when a call takes under 10 s, else one call). Memory: ``torch.cuda.m
 during the timed call above what was allocated before it, plus the device memory held outside
 torch's allocator after the call (numba's buffers: ``torch.cuda.mem_get_info`` before/after, less
 the change in torch's reserved memory). Check: the last 256 output rows of numqsa against HF
-eager's, where both ran (rel-L2 <= 1e-3, the issue's layer-output criterion); a failed check prints
-no speed-up. The full comparison is the GPU tests' (``tests/test_hf_transformers.py -m gpu``).
+eager's, where both ran (rel-L2 within ``CHECK_TOL``: the issue's 1e-3 in float32, twice HF's own
+rounding error in float16/bfloat16); a failed check prints no speed-up. The full comparison is the GPU tests' (``tests/test_hf_transformers.py -m gpu``).
 Writes JSON (device, versions, git revision, one record per case) and prints a table;
 ``--table JSON --readme`` rewrites the README's table (between its ``HF-TABLE`` markers) from it.
 """
@@ -50,6 +50,10 @@ SMOKE = dict(GEOMETRY, hidden_size=64, num_attention_heads=4, head_dim=32, moe_i
              indexer_head_dim=16, indexer_budget=4, max_position_embeddings=256)
 GIB = float(1 << 30)
 CHECK_ROWS = 256      # output rows compared between HF eager and HF + numqsa
+# rel-L2 allowed between the two outputs: the issue's 1e-3 in float32; in float16 / bfloat16 twice
+# HF eager's own error against the float32 model with the same weights, measured on this geometry
+# (CPU, 512 tokens): 1.08e-3 in float16, 1.77e-2 in bfloat16 (projections and experts included).
+CHECK_TOL = {"float32": 1e-3, "float16": 2.2e-3, "bfloat16": 3.5e-2}
 COMPILE_S = 180       # allowance for numba's first compilation of numqsa's kernels
 
 
@@ -164,11 +168,10 @@ def _spawn(impl, lengths, args, keep, timeout):
 
 
 def check(records, keep, dtype):
-    """numqsa's last rows against HF eager's where both ran: rel-L2 within the layer-output
-    tolerance (the issue's 1e-3, or the dtype's own from ``numqsa.testing`` if larger)."""
+    """numqsa's last rows against HF eager's where both ran: rel-L2 within ``CHECK_TOL``."""
     import numpy as np
-    from numqsa.testing import TOLERANCES, compare
-    tol = max(TOLERANCES[dtype].rel_l2, 1e-3)
+    from numqsa.testing import compare
+    tol = CHECK_TOL[dtype]
     for rec in records:
         if rec["impl"] != "numqsa" or rec["status"] != "ok":
             continue
