@@ -238,6 +238,35 @@ def generate_both(lm, ids, new_tokens):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
+@pytest.mark.parametrize("bf16_as", ["float32", "float16"])
+def test_bfloat16_model_sim(seed, bf16_as):
+    # bf16 runs as float32 (exact) or float16: the selection is HF's but for near-ties, the output
+    # within twice HF's own bf16 error against the float32 model of the same weights.
+    model = make_model(TINY, seed=seed, dtype=torch.bfloat16, attn_implementation="eager")
+    f32 = make_model(TINY, seed=seed, attn_implementation="eager")
+    with torch.no_grad():
+        for a, b in zip(f32.parameters(), model.parameters()):
+            a.copy_(b.float())
+    ids = torch.randint(0, TINY["vocab_size"], (1, 10), generator=torch.Generator().manual_seed(seed))
+    attn = nt._qsa_modules(model)[0]
+    cap = Capture(attn.indexer)
+    with torch.no_grad():
+        ref = model(ids).last_hidden_state
+        cap.remove()
+        nt.enable(model, keep_selection=True, bf16_as=bf16_as)
+        got = model(ids).last_hidden_state
+        tokens, counts = attn.numqsa_selection
+        nt.disable(model)
+        truth = f32(ids).last_hidden_state.double().numpy()
+    assert got.dtype == torch.bfloat16
+    selection_report(attn.indexer, cap.calls[0], tokens, counts)
+    hf_err = compare(ref.double().numpy(), truth)["rel_l2"]
+    ours = compare(got.double().numpy(), truth)
+    assert ours["finite"] and ours["rel_l2"] <= 2 * hf_err, (ours, hf_err)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SIMULATOR, reason="tiny CPU case for the numba CUDA simulator")
 def test_right_padded_batch_matches_hf_sim(seed):
     # Two requests, the second right-padded: every mask row sees a prefix, so numqsa takes it
     # (request ids, one page per request, pad rows at position len - 1).

@@ -33,8 +33,10 @@ of groups: when ``seq % r != 0`` the view declares ``seq`` rounded up to ``r`` s
 form an index cache of one page per request.
 
 Dtypes: float16 and float32 run in the kernels as they are. CUDA bfloat16 (which the kernels refuse
-today) is upcast to float32 -- exact, so the selection sees HF's bf16 index values bit for bit --
-at the cost of a float32 copy of the layer's K/V per call; the output is rounded back to bf16.
+today) is upcast to float32 by default -- exact, so the selection sees HF's bf16 index values bit for
+bit -- at the cost of a float32 copy of the layer's K/V per call and numqsa's generic fp32 attention
+kernel; ``enable(model, bf16_as="float16")`` converts to float16 instead (exact inside float16's
+range; the tensor-core routes). The output is rounded back to bf16.
 The attention then differs from HF eager's bf16 chain (bf16 logits and probabilities) by that chain's
 rounding, not by numqsa's.
 
@@ -121,16 +123,20 @@ def _hooked(indexer):
     return getattr(indexer.__dict__.get("forward"), "_numqsa", False)
 
 
-def enable(model, *, keep_selection=False):
+def enable(model, *, keep_selection=False, bf16_as="float32"):
     """Run ``model``'s QSA layers (index selection + sparse attention) through numqsa; returns ``model``.
 
-    ``keep_selection=True`` keeps each QSA attention module's last numqsa selection as
+    ``bf16_as``: the kernel dtype of bfloat16 models -- ``"float32"`` (exact upcast, the generic
+    fp32 attention kernel) or ``"float16"`` (exact for values inside float16's range, the tensor-core
+    routes; values beyond 65504 overflow). ``keep_selection=True`` keeps each QSA attention module's last numqsa selection as
     ``module.numqsa_selection = (tokens [rows, Kb*r + r - 1], counts [rows])`` (rows = batch x query
     tokens, row-major), for inspection.
     """
     mods = _qsa_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__} has no Qwen4Exp QSA attention layers")
+    if bf16_as not in ("float32", "float16"):
+        raise ValueError(f"bf16_as must be 'float32' or 'float16', got {bf16_as!r}")
     if is_enabled(model):
         return model
     _register()
@@ -156,6 +162,7 @@ def enable(model, *, keep_selection=False):
         forward._numqsa = True
         indexer.forward = forward
         attn._numqsa_keep = bool(keep_selection)
+        attn._numqsa_bf16 = getattr(torch, bf16_as)
         attn._numqsa_pending = None
     return model
 
@@ -169,7 +176,7 @@ def disable(model):
             del indexer.forward
             if prev is not None:
                 indexer.forward = prev
-        for name in ("_numqsa_pending", "_numqsa_keep", "numqsa_selection"):
+        for name in ("_numqsa_pending", "_numqsa_keep", "_numqsa_bf16", "numqsa_selection"):
             attn.__dict__.pop(name, None)
     if model.config._attn_implementation == NAME:
         cfg = model.config
@@ -313,11 +320,11 @@ def _pages(x, r):
     return np.concatenate([a, np.zeros((B, pad, H, D), a.dtype)], axis=1) if pad else a
 
 
-def _run(p, query, key, value, scaling):
+def _run(p, query, key, value, scaling, bf16_as=torch.float32):
     """numqsa's selection and attention for one layer: ``[B, S, Hq, D]`` in the query's dtype."""
     B, hq, S, D = query.shape
     skv, dev = key.shape[2], query.device
-    kd = torch.float32 if query.dtype == torch.bfloat16 else query.dtype
+    kd = bf16_as if query.dtype == torch.bfloat16 else query.dtype
     G = p.kc.shape[1]
     q = query.transpose(1, 2).reshape(B * S, hq, D).to(kd)
     qi = p.qi.to(kd)
@@ -351,7 +358,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                   **kwargs)
     module._numqsa_pending = None
     scale = module.scaling if scaling is None else scaling
-    out, selection = _run(p, query, key, value, scale)
+    out, selection = _run(p, query, key, value, scale, getattr(module, "_numqsa_bf16", torch.float32))
     if getattr(module, "_numqsa_keep", False):
         module.numqsa_selection = selection
     return out, None
