@@ -1,6 +1,7 @@
 """Spec §6-§7: sparse GQA attention over the selection, and the page-4 virtual-page plan."""
 import numpy as np
 
+from . import rounding as _chains
 from . import validate as V
 from .batch import row_states
 
@@ -46,7 +47,7 @@ def _check_attention(q, k_cache, v_cache, req_ids, r):
 
 
 def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
-                     scale=None, r=4):
+                     scale=None, r=4, rounding=None):
     """``out[i, h] = sum_{t in S_i} softmax_t(scale <q[i,h], K[t, h // (Hq/Hkv)]>) V[t, ...]`` and ``lse``.
 
     ``S_i = tokens[i, :counts[i]]`` (request-local token ids, any order), token ``t`` of request ``q``
@@ -63,6 +64,8 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     Shapes: ``q [rows, Hq, D]``, ``k_cache, v_cache [num_pages, page_size, Hkv, D]`` ->
     ``out [rows, Hq, D]``, ``lse [rows, Hq]`` float64.
     Cost: FLOP = 4*Hq*D*sum_i(counts_i); bytes >= 2*rows*Hq*D (q, out) + 2*Hkv*D*(unique tokens) elements.
+    ``rounding`` (a chain of :mod:`oracle.rounding`, e.g. ``"hf-bf16"``) computes ``out`` through that
+    engine's rounding chain (``lse`` stays the float64 one).
     """
     rows, num_pages, page_size, hq, d = _check_attention(q, k_cache, v_cache, req_ids, r)
     V.check_batch(req_ids, np.zeros(rows, np.int32), seq_lens)
@@ -80,6 +83,8 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         k_sel = np.asarray(k_cache[pages, slots], dtype=np.float64)
         v_sel = np.asarray(v_cache[pages, slots], dtype=np.float64)
         out[i], lse[i] = attend(np.asarray(q[i], dtype=np.float64), k_sel, v_sel, scale)
+        if rounding is not None:
+            out[i] = _chains.attend(q[i], k_sel, v_sel, scale, rounding)
     return out, lse
 
 

@@ -1,6 +1,7 @@
 """Spec §3: compressed index keys and index queries (pool -> Gemma RMSNorm -> partial NeoX RoPE)."""
 import numpy as np
 
+from . import rounding as _chains
 from . import validate as V
 from .batch import row_states
 
@@ -31,12 +32,14 @@ def rope(x, pos, rot=64, theta=1e7):
 
 
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *,
-               eps=1e-6, rot=64, theta=1e7, emulate_dtype=None, rope_positions=None):
+               eps=1e-6, rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, rounding=None):
     """Compress complete groups of raw index keys and store them in the paged index cache.
 
     ``kc[g] = rope(gnorm(mean(k_raw[g]), w_k), pos = r * group_ids[g])``: pool, norm, then RoPE at the
     group's first token. ``emulate_dtype`` rounds the pooled mean to that dtype before the norm, as
-    the serving engines' fp32-mean-then-store references do. The result is stored at
+    the serving engines' fp32-mean-then-store references do; ``rounding="hf-bf16"`` (or another
+    chain of :mod:`oracle.rounding`) computes the keys through that engine's whole rounding chain
+    instead (the float64 truth stays the default). The result is stored at
     ``index_cache[index_block_table[q, e // R], e % R]`` (``R = index_cache.shape[1]``), rounded once
     more to the cache's dtype; the float64 keys are returned.
 
@@ -71,18 +74,26 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
             page = tab[q, c] if c < tab.shape[1] else "missing"
             raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
                                   f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
-    mean = np.asarray(k_raw, dtype=np.float64).mean(axis=1)
-    if emulate_dtype is not None:
-        mean = mean.astype(emulate_dtype).astype(np.float64)
     pos = r * eids if rope_positions is None else V.host_ints(rope_positions)
-    kc = rope(gnorm(mean, w_k, eps), pos, rot, theta)
+    if rounding is not None:
+        if emulate_dtype is not None:
+            raise V.QSAInputError("pass emulate_dtype or rounding, not both (a chain rounds the mean)")
+        kc = _chains.index_keys(k_raw, w_k, pos, rounding=rounding, eps=eps, rot=rot, theta=theta)
+    else:
+        mean = np.asarray(k_raw, dtype=np.float64).mean(axis=1)
+        if emulate_dtype is not None:
+            mean = mean.astype(emulate_dtype).astype(np.float64)
+        kc = rope(gnorm(mean, w_k, eps), pos, rot, theta)
     index_cache[tab[reqs, eids // rows_per_page], eids % rows_per_page] = kc
     return kc
 
 
 def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
-                  rope_positions=None):
+                  rope_positions=None, rounding=None):
     """Index queries ``qi[i, h] = rope(gnorm(q_raw[i, h], w_q), pos = p_i)``; inert rows are 0.
+
+    ``rounding`` (a chain of :mod:`oracle.rounding`, e.g. ``"hf-bf16"``) computes them through that
+    engine's rounding chain instead of in float64.
 
     ``p_i`` is the clamped position (spec §1) unless ``rope_positions[i]`` overrides it.
     Shapes: ``q_raw [rows, Hi, Di]`` -> ``[rows, Hi, Di]`` float64.
@@ -96,6 +107,9 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
         raise V.QSAInputError(f"w_q must have shape ({s[2]},), got {np.shape(w_q)}")
     live, _, p, _ = row_states(req_ids, positions, seq_lens, 1)
     pos = p if rope_positions is None else V.host_ints(rope_positions)
-    qi = rope(gnorm(q_raw, w_q, eps), pos[:, None], rot, theta)
+    if rounding is not None:
+        qi = _chains.index_queries(q_raw, w_q, pos, rounding=rounding, eps=eps, rot=rot, theta=theta)
+    else:
+        qi = rope(gnorm(q_raw, w_q, eps), pos[:, None], rot, theta)
     qi[~live] = 0.0
     return qi
