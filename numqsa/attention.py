@@ -6,7 +6,9 @@ Each public function mirrors its :mod:`oracle` namesake argument for argument, a
 ``stream=`` (and ``out_dtype=`` for the attention outputs): validate (``oracle.validate``, before any
 launch) -> move to the device (:mod:`numqsa.device`; device arrays and CUDA tensors are used in place,
 strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> launch -> NumPy back if
-the query was NumPy, else device arrays.
+the query was NumPy, else device arrays. :func:`sparse_attention` is a thin layer over
+:class:`numqsa.QSAPrefillWrapper` (plan, then ``run_attention``); :func:`attention_launch` is the
+direct launcher the wrapper records (and a forced ``route_name`` runs).
 
 Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
 profile's ``page4_min_rows`` rows on (every row count on sm_80/sm_90), the page-4 plan plus a grouped
@@ -24,13 +26,13 @@ from .kernels import grouped as _grouped
 from .kernels import page4 as _page4
 from .plan import plan_attention
 
-__all__ = ["sparse_attention", "page4_plan", "page4_attention", "route"]
+__all__ = ["sparse_attention", "attention_launch", "page4_plan", "page4_attention", "route"]
 
 
 def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     r = V.check_r(r)
     (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
-    V.check_batch(req_ids, np.zeros(rows, np.int32), seq_lens)
+    V.check_batch(req_ids, req_ids, seq_lens)          # attention reads no positions
     num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
     hq = V.check_q(q, rows, hkv, d)
     qd = dev.float_dtype(q, "q")
@@ -81,25 +83,77 @@ def route(rows, page_size, r=4, cc=None):
     return plan_attention(rows, dev.device_cc() if cc is None else cc, page_size, r)
 
 
+def _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate):
+    """Value checks: host selections against host metadata (whatever ``validate``), the page table
+    when it and ``seq_lens`` are on the host (or ``validate=True`` reads them back)."""
+    from .selection import values_checked
+    if dev.is_host(tokens) and values_checked(validate or None, counts, req_ids, seq_lens):
+        V.check_tokens(tokens, counts, req_ids, seq_lens)
+    if values_checked(validate, block_table, seq_lens):
+        V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+
+
 def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
                      scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
-                     workspace=None, validate=True):
+                     workspace=None, validate=None):
     """``(out [rows, Hq, D], lse float32 [rows, Hq])`` over ``S_i = tokens[i, :counts[i]]``.
 
-    Mirrors :func:`oracle.sparse_attention`. ``out`` (optional) may be a tuple ``(out, lse)`` of
-    preallocated buffers; ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers
-    between calls; ``validate=False`` skips the checks that read page tables on the host. The output dtype is the query's unless ``out_dtype`` (float16/float32).
-    Inert rows and rows whose ids are out of range (the kernels check; the API checks the table)
-    give 0 / ``-inf``. ``route_name`` ("generic" or "page4") overrides the planned route (tests and
-    benchmarks); the page-4 route needs selections of whole aligned groups plus one tail run.
+    Mirrors :func:`oracle.sparse_attention`; a thin layer over :class:`numqsa.QSAPrefillWrapper`
+    (``plan`` then ``run_attention`` on a wrapper kept per geometry, stream and thread, or in
+    ``workspace``, a :class:`numqsa.Workspace`), so repeated calls of one layout replay prepared
+    launches. ``out`` (optional) may be a tuple ``(out, lse)`` of preallocated buffers (``None``
+    entries are allocated). The output dtype is the query's unless ``out_dtype`` (float16/float32).
+    Arrays come back as ``q`` came in (NumPy in, NumPy out, copied in and out); ``stream``
+    defaults to the current stream of ``q``'s framework.
+
+    ``validate``: None (default) checks host values only (host selections against host metadata,
+    the page table when it and ``seq_lens`` are on the host) and never reads a device array back
+    (no wait for the GPU); True reads device tables back once; False skips the page-table check.
+    Inert rows and rows whose ids are out of range (the kernels check) give 0 / ``-inf``.
+    ``route_name`` ("generic" or "page4") forces a route (tests and benchmarks): such a call runs
+    the direct launcher (:func:`attention_launch`, same checks and results, no prepared launches);
+    the page-4 route needs selections of whole aligned groups plus one tail run.
+    """
+    if route_name is not None:
+        return attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids,
+                                seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
+                                stream=stream, route_name=route_name, workspace=workspace,
+                                validate=validate)
+    from .prefill import Workspace
+    from .wrapper import cached_wrapper, fill_out
+    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
+                                                                      seq_lens, r)
+    kb = V.check_selection(tokens, counts, rows, r)
+    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages,
+                 validate)
+    od = _out_dtype(out_dtype, qd)
+    lead_kind = dev.array_kind(q, "q")
+    handle = (dev.current_stream_handle(lead_kind, q) if stream is None
+              else dev.stream_handle(stream))
+    keep = workspace if isinstance(workspace, Workspace) else None
+    w = cached_wrapper("attention", handle, keep, Hi=1, Di=1, Hq=hq, Hkv=hkv, D=d, r=r,
+                       Kb=max(1, kb), dtype=qd, out_dtype=od, scale=scale)
+    # the table was checked above (or not, as validate says): the plan does not check it again
+    w.plan(req_ids, None, seq_lens, block_table, validate=False, stream=handle)
+    if out is not None:
+        shapes = (((rows, hq, d), od), ((rows, hq), "float32"))
+        out = fill_out(out, ("out", "lse"),
+                       lambda i: dev.new_array(lead_kind, shapes[i][0], shapes[i][1], q, None))
+    return w.run_attention(q, k_cache, v_cache, tokens, counts, out=out, stream=handle)
+
+
+def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
+                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
+                     workspace=None, validate=None):
+    """The direct launcher behind :func:`sparse_attention` (same arguments and results): what
+    :class:`numqsa.QSAPrefillWrapper` records, and what a forced ``route_name`` runs.
+
+    ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers between calls.
     """
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     V.check_selection(tokens, counts, rows, r)
-    if dev.is_host(tokens):
-        V.check_tokens(tokens, counts, req_ids, seq_lens)
-    if validate:
-        V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate)
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     plan = route(rows, page_size, r)
