@@ -21,10 +21,13 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
+from .selection import values_checked
 from .kernels import attention as _generic
 from .kernels import grouped as _grouped
 from .kernels import page4 as _page4
 from .plan import plan_attention
+from .prefill import Workspace
+from .wrapper import cached_wrapper, fill_out
 
 __all__ = ["sparse_attention", "attention_launch", "page4_plan", "page4_attention", "route"]
 
@@ -86,7 +89,6 @@ def route(rows, page_size, r=4, cc=None):
 def _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate):
     """Value checks: host selections against host metadata (whatever ``validate``), the page table
     when it and ``seq_lens`` are on the host (or ``validate=True`` reads them back)."""
-    from .selection import values_checked
     if dev.is_host(tokens) and values_checked(validate or None, counts, req_ids, seq_lens):
         V.check_tokens(tokens, counts, req_ids, seq_lens)
     if values_checked(validate, block_table, seq_lens):
@@ -119,8 +121,6 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
                                 seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
                                 stream=stream, route_name=route_name, workspace=workspace,
                                 validate=validate)
-    from .prefill import Workspace
-    from .wrapper import cached_wrapper, fill_out
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     kb = V.check_selection(tokens, counts, rows, r)

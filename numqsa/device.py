@@ -41,17 +41,39 @@ def is_host(x):
     return isinstance(x, np.ndarray)
 
 
+_KINDS = {np.ndarray: "numpy"}
+
+
 def array_kind(x, name="array"):
     """``"numpy"``, ``"torch"``, ``"cupy"``, ``"numba"`` or ``"cuda"`` (any other
     ``__cuda_array_interface__`` / DLPack producer), or a :class:`QSAInputError` that says why not."""
+    t = type(x)
+    kind = _KINDS.get(t)                 # the kind is the type's (torch: and the tensor's device)
+    if kind is None:
+        kind = _kind_of_type(x)
+        if kind is not None:
+            _KINDS[t] = kind
+    if kind == "torch":
+        if not x.is_cuda:
+            from oracle.validate import QSAInputError
+            raise QSAInputError(f"{name} is a CPU torch tensor: pass {name}.cuda() (used in place "
+                                f"from then on) or {name}.numpy() (copied in and out)")
+        return kind
+    if kind is not None:
+        return kind
     from oracle.validate import QSAInputError
+    if isinstance(x, (list, tuple)):
+        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
+                            f"(np.asarray({name}, dtype=...) or a CUDA tensor)")
+    raise QSAInputError(f"{name} is a {type(x).__name__}; expected a NumPy array or a CUDA array "
+                        f"(torch, CuPy, numba, __cuda_array_interface__ or DLPack)")
+
+
+def _kind_of_type(x):
     if isinstance(x, np.ndarray):
         return "numpy"
     mod = type(x).__module__.split(".")[0]
     if mod == "torch":
-        if not x.is_cuda:
-            raise QSAInputError(f"{name} is a CPU torch tensor: pass {name}.cuda() (used in place "
-                                f"from then on) or {name}.numpy() (copied in and out)")
         return "torch"
     if mod == "cupy":
         return "cupy"
@@ -59,11 +81,7 @@ def array_kind(x, name="array"):
         return "numba"
     if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
         return "cuda"
-    if isinstance(x, (list, tuple)):
-        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
-                            f"(np.asarray({name}, dtype=...) or a CUDA tensor)")
-    raise QSAInputError(f"{name} is a {type(x).__name__}; expected a NumPy array or a CUDA array "
-                        f"(torch, CuPy, numba, __cuda_array_interface__ or DLPack)")
+    return None
 
 
 class _CAI:

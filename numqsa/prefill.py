@@ -1,7 +1,9 @@
 """The whole QSA prefill in one call: a thin layer over :class:`numqsa.QSAPrefillWrapper`.
 
 Each call plans the batch and runs one layer on a wrapper kept per geometry, stream and thread (or in
-the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches.
+the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches
+(:func:`numqsa.select` and :func:`numqsa.sparse_attention` do the same with ``run_select`` and
+``run_attention``).
 """
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ __all__ = ["qsa_prefill", "Workspace"]
 
 
 class Workspace:
-    """Keeps a wrapper (its buffers and prepared launches) and the outputs across calls.
+    """Keeps wrappers (their buffers and prepared launches) and outputs across functional calls.
 
     With a workspace, :func:`qsa_prefill` writes its results into buffers kept here (reused while
     the shapes stay the same: a second call of the same shapes allocates no device memory); the
-    arrays a call returns are therefore overwritten by the next call.
+    arrays a call returns are therefore overwritten by the next call. :func:`numqsa.select` and
+    :func:`numqsa.sparse_attention` keep their wrapper here too (their results stay fresh arrays
+    unless ``out=`` is given).
     """
 
     def __init__(self):

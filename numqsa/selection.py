@@ -25,6 +25,8 @@ from .kernels import index_keys as _pre
 from .kernels import index_scores as _scores
 from .kernels import topk as _topk
 from .plan import plan_select
+from .prefill import Workspace
+from .wrapper import _kernel_dtype, cached_wrapper, fill_out
 
 __all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand_tokens", "select",
            "SELECT_SCORE_BYTES"]
@@ -58,14 +60,30 @@ def _emulate_f16(emulate_dtype):
     raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
 
 
+def _check_key_pages(reqs, eids, tab, ic):
+    """Each group's request and group id in range and its index page a valid page id."""
+    for g in range(reqs.shape[0]):
+        q, e = int(reqs[g]), int(eids[g])
+        if not 0 <= q < tab.shape[0] or e < 0:
+            raise V.QSAInputError(f"group {g}: request {q} / group id {e} out of range")
+        c = e // ic[1]
+        if c >= tab.shape[1] or not 0 <= tab[q, c] < ic[0]:
+            page = tab[q, c] if c < tab.shape[1] else "missing"
+            raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
+                                  f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
+
+
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
-               rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None):
+               rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None,
+               validate=None):
     """Compressed keys ``kc[g] = rope(gnorm(mean(k_raw[g]), w_k), r * group_ids[g])``, stored in place.
 
     Shapes: ``k_raw [G, r, Di]`` -> ``kc float32 [G, Di]`` (before rounding to the cache dtype); each
     key is also written to ``index_cache[index_block_table[q, e // R], e % R]`` in the cache's dtype
     (a NumPy cache is updated in place too). Pooling in float32; ``emulate_dtype=float16`` rounds the
-    mean to float16 before the norm, as the serving engines' references do.
+    mean to float16 before the norm, as the serving engines' references do. Request, group and page
+    ids are checked when they are on the host (or ``validate=True``); on the device the kernel skips
+    the store of a key whose page is out of range.
     """
     V.check_array(w_k, "w_k")
     s = V._rank(k_raw, "k_raw", 3, "[G, r, Di]")
@@ -79,21 +97,15 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     dev.float_dtype(index_cache, "index_cache")
     if ic[2] != di:
         raise V.QSAInputError(f"index_cache Di = {ic[2]} differs from k_raw's Di = {di}")
-    reqs, eids = V.host_ints(group_req_ids), V.host_ints(group_ids)
-    if reqs.shape != (G,) or eids.shape != (G,):
-        raise V.QSAInputError(f"group_req_ids {reqs.shape} and group_ids {eids.shape} must be ({G},)")
-    tab = V.host_ints(index_block_table)
-    if tab.ndim != 2:
-        raise V.QSAInputError(f"index_block_table must have rank 2, got shape {tab.shape}")
-    for g in range(G):
-        q, e = int(reqs[g]), int(eids[g])
-        if not 0 <= q < tab.shape[0] or e < 0:
-            raise V.QSAInputError(f"group {g}: request {q} / group id {e} out of range")
-        c = e // ic[1]
-        if c >= tab.shape[1] or not 0 <= tab[q, c] < ic[0]:
-            page = tab[q, c] if c < tab.shape[1] else "missing"
-            raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
-                                  f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
+    V.check_array(group_req_ids, "group_req_ids")
+    V.check_array(group_ids, "group_ids")
+    rs, es = tuple(group_req_ids.shape), tuple(group_ids.shape)
+    if rs != (G,) or es != (G,):
+        raise V.QSAInputError(f"group_req_ids {rs} and group_ids {es} must be ({G},)")
+    V._rank(index_block_table, "index_block_table", 2, "[num_reqs, cols]")
+    if values_checked(validate, group_req_ids, group_ids, index_block_table):
+        _check_key_pages(V.host_ints(group_req_ids), V.host_ints(group_ids),
+                         V.host_ints(index_block_table), ic)
     emulate = _emulate_f16(emulate_dtype)
     stream = dev.resolve_stream(stream)
     was_host = dev.is_host(k_raw)
@@ -330,8 +342,6 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     With ``out=`` a repeated call of one layout allocates nothing and never synchronises
     (CUDA-graph capture).
     """
-    from .prefill import Workspace
-    from .wrapper import _kernel_dtype, cached_wrapper, fill_out
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     n_pages, R, di = V.check_index_cache(index_cache)

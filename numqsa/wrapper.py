@@ -176,30 +176,42 @@ class QSAPrefillWrapper:
             if alias.get(n):
                 arrays[n] = arrays[alias[n]]
             elif kind == "numpy":
-                arrays[n] = self._ws.put(f"meta.{n}", host32[n], nstream)
+                arrays[n] = (self._ws.put(f"meta.{n}", host32[n], nstream), "numba")
             else:
-                arrays[n] = self._device_ints(x, n, nstream)
+                arrays[n] = self._device_ints(x, kind, n, nstream)
         self._rows, self._num_reqs = int(rows), int(num_reqs)
         self._groups = num_groups if num_groups is not None else need
         self._host = host
         self._validate = validate
         self._attention_only = attention_only
-        self._meta = [arrays[n] for n in META]
-        described = [dev.describe(a, "numba") for a in self._meta]
+        # the caller's own arrays (numba views are made only to record or replay slowly)
+        self._meta_objs = [arrays[n] for n in META]
+        self._meta_views = None
+        described = [dev.describe(a, k) for a, k in self._meta_objs]
         self._meta_ptrs = [p for p, _ in described]
         self._meta_key = tuple(k for _, k in described)
         self._checked = set()
         self._planned = True
         return self
 
-    def _device_ints(self, x, name, nstream):
-        """A device int32 view of device metadata; int64 is converted (saturated) into a kept buffer."""
+    def _device_ints(self, x, kind, name, nstream):
+        """``(array, kind)``: device int32 metadata as it is; int64 converted (saturated) on the
+        device into a kept buffer."""
+        if kind in ("torch", "cupy", "numba") and V.dtype_name(x) == "int32":
+            return x, kind
         d = dev.as_numba(x, name)
         if V.dtype_name(d) == "int32":
-            return d
+            return d, "numba"
         from .kernels.convert import launch_saturate_int32
-        return launch_saturate_int32(d, self._ws.buffer(f"meta.{name}", d.shape, np.int32, nstream),
-                                     nstream)
+        buf = self._ws.buffer(f"meta.{name}", d.shape, np.int32, nstream)
+        return launch_saturate_int32(d, buf, nstream), "numba"
+
+    @property
+    def _meta(self):
+        """The plan's metadata as numba device arrays, in ``META`` order (made on first use)."""
+        if self._meta_views is None:
+            self._meta_views = [a if k == "numba" else dev.as_numba(a) for a, k in self._meta_objs]
+        return self._meta_views
 
     # -------------------------------------------------------------------------------- run
     def run(self, qi: Any, index_cache: Any, q: Any, k_cache: Any, v_cache: Any, *,
@@ -245,7 +257,7 @@ class QSAPrefillWrapper:
         if self._groups is not None:
             return self._groups
         # device seq_lens, not read: the index table's capacity
-        return int(self._meta[4].shape[1]) * int(index_cache.shape[1])
+        return int(self._meta_objs[4][0].shape[1]) * int(index_cache.shape[1])
 
     def run_attention(self, q: Any, k_cache: Any, v_cache: Any, tokens: Any, counts: Any, *,
                       out: Optional[Sequence[Any]] = None, stream: Any = None) -> tuple:
@@ -305,7 +317,7 @@ class QSAPrefillWrapper:
             if out is not None:
                 b = out[i]
                 okind = dev.array_kind(b, f"out[{i}] ({name})")
-                want = np.dtype(dt).name
+                want = dt                   # specs hold dtype names
                 if tuple(b.shape) != tuple(shape) or V.dtype_name(b) != want:
                     raise V.QSAInputError(
                         f"out[{i}] ({name}) must be {want} {tuple(shape)}, got {V.dtype_name(b)} "
