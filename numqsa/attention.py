@@ -165,14 +165,14 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         if route_name == "page4":
             raise V.QSAInputError(f"the page-4 route cannot run this problem: {why}")
         name = "generic"
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     tab, tok, cnt, rid, lens = (dev.ints(x, stream) for x in (block_table, tokens, counts, req_ids,
                                                             seq_lens))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
-    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
+    o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
+    lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)
     if name == "page4":
         kb = (tok.shape[1] - (r - 1)) // r
         bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
@@ -194,7 +194,8 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
-    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream, o_ret),
+            dev.finish(lse, was_host, lse_buf, stream, l_ret))
 
 
 def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num_pages, r=4,
@@ -211,18 +212,19 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     if page_size % r:
         raise V.QSAInputError(f"page_size {page_size} is not a multiple of r = {r}")
     V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, tokens)
     was_host = dev.is_host(tokens)
     tok, cnt, tab, rid, lens = (dev.ints(x, stream) for x in (tokens, counts, block_table, req_ids,
                                                             seq_lens))
     prof = route(rows, page_size, r).profile
     bufs = (None, None, None) if out is None else out
-    pages = dev.out_buffer(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
-    nv = dev.out_buffer(bufs[1], (rows,), "int32", stream, "num_vpages")
-    tl = dev.out_buffer(bufs[2], (rows,), "int32", stream, "tail_len")
+    made = [dev.output(b, shape, "int32", stream, n, tokens) for b, shape, n in
+            zip(bufs, ((rows, kb + 1, 2), (rows,), (rows,)), ("pages", "num_vpages", "tail_len"))]
+    (pages, _), (nv, _), (tl, _) = made
     geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
     _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, prof, stream, r)
-    return tuple(dev.finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
+    return tuple(dev.finish(x, was_host, b, stream, native)
+                 for (x, native), b in zip(made, bufs))
 
 
 def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *, scale=None, r=4,
@@ -248,13 +250,14 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     prof = route(rows, page_size, r).profile
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     pg, nv, tl, rid = (dev.ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
-    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
+    o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
+    lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)
     _launch_grouped_route(qd_, kc, vc, pg, nv, tl, None, rid, scale, o, lse, od, prof, stream, r,
                           lambda n, shape, dt: dev.empty(shape, dt, stream))
-    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream, o_ret),
+            dev.finish(lse, was_host, lse_buf, stream, l_ret))

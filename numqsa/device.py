@@ -277,7 +277,37 @@ def out_buffer(out, shape, dtype, stream, name):
     return as_device(out, stream)[0]
 
 
-def finish(result, was_host, out, stream):
+def caller_stream(stream, like):
+    """A numba stream: ``stream`` if given, else the current stream of ``like``'s framework
+    (torch/CuPy), else the default stream."""
+    if stream is None and not isinstance(like, np.ndarray):
+        kind = array_kind(like)
+        if kind in ("torch", "cupy"):
+            stream = current_stream_handle(kind, like)
+    return resolve_stream(stream)
+
+
+def output(out, shape, dtype, stream, name, like):
+    """``(device array to launch into, array to return or None)``: the caller's ``out`` (checked,
+    see :func:`out_buffer`), else for torch/CuPy ``like`` a fresh array of that framework (torch
+    in, torch out; its caching allocator frees without a device synchronisation), else a fresh
+    numba array."""
+    if out is None and not isinstance(like, np.ndarray):
+        kind = array_kind(like)
+        if kind in ("torch", "cupy"):
+            arr = new_array(kind, shape, dtype, like, stream)
+            return as_numba(arr), arr
+    return out_buffer(out, shape, dtype, stream, name), None
+
+
+def finish(result, was_host, out, stream, native=None):
+    """As :func:`finish_one`, or ``native`` (the framework array :func:`output` made) if any."""
+    if native is not None:
+        return native
+    return finish_one(result, was_host, out, stream)
+
+
+def finish_one(result, was_host, out, stream):
     """The caller's ``out`` if one was given (a NumPy ``out`` is written, any strides), NumPy back
     for NumPy callers, else the device array."""
     if isinstance(out, np.ndarray):

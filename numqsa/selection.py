@@ -37,7 +37,7 @@ SELECT_SCORE_BYTES = 1 << 30
 
 
 def _dummy_ints(stream):
-    return dev.as_device(np.zeros(1, np.int32), stream)[0]
+    return dev.constant(np.zeros(1, np.int32), stream)
 
 
 def _rope_positions(rope_positions, n, stream, name):
@@ -107,20 +107,20 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
         _check_key_pages(V.host_ints(group_req_ids), V.host_ints(group_ids),
                          V.host_ints(index_block_table), ic)
     emulate = _emulate_f16(emulate_dtype)
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, k_raw)
     was_host = dev.is_host(k_raw)
     d_k = dev.as_device(k_raw, stream)[0]
     d_w = dev.as_device(w_k, stream)[0]
     d_ic, ic_host = dev.as_device(index_cache, stream)
     rp, has_rp = _rope_positions(rope_positions, G, stream, "G")
-    kc = dev.out_buffer(out, (G, di), np.float32, stream, "index_keys")
+    kc, kc_ret = dev.output(out, (G, di), np.float32, stream, "index_keys", k_raw)
     _pre.launch_index_keys(d_k, d_w, dev.ints(group_req_ids, stream), dev.ints(group_ids, stream), rp,
                            has_rp, d_ic, dev.ints(index_block_table, stream), kc, stream, eps=eps,
                            rot=rot, theta=theta, emulate_f16=emulate)
     if ic_host:
         index_cache[...] = d_ic.copy_to_host(stream=stream)
         stream.synchronize()
-    return dev.finish(kc, was_host, out, stream)
+    return dev.finish(kc, was_host, out, stream, kc_ret)
 
 
 def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
@@ -139,15 +139,15 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
         raise V.QSAInputError(f"w_q must have shape ({s[2]},), got {tuple(w_q.shape)}")
     if rot % 2 or rot > s[2]:
         raise V.QSAInputError(f"rot = {rot} must be even and <= Di = {s[2]}")
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q_raw)
     was_host = dev.is_host(q_raw)
     rp, has_rp = _rope_positions(rope_positions, rows, stream, "rows")
-    qi = dev.out_buffer(out, s, dt, stream, "index_queries")
+    qi, qi_ret = dev.output(out, s, dt, stream, "index_queries", q_raw)
     _pre.launch_index_queries(dev.as_device(q_raw, stream)[0], dev.as_device(w_q, stream)[0],
                               dev.ints(req_ids, stream), dev.ints(positions, stream),
                               dev.ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
                               theta=theta)
-    return dev.finish(qi, was_host, out, stream)
+    return dev.finish(qi, was_host, out, stream, qi_ret)
 
 
 def values_checked(validate, *arrays):
@@ -219,13 +219,13 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
         num_groups = int(out.shape[1])
     else:
         num_groups = _score_width(index_cache, index_block_table, seq_lens, r, validate)
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, qi)
     was_host = dev.is_host(qi)
-    scores = dev.out_buffer(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
+    scores, ret = dev.output(out, (rows, int(num_groups)), np.float32, stream, "index_scores", qi)
     _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0],
                    dev.ints(index_block_table, stream), dev.ints(req_ids, stream),
                    dev.ints(positions, stream), dev.ints(seq_lens, stream), scores, r, stream)
-    return dev.finish(scores, was_host, out, stream)
+    return dev.finish(scores, was_host, out, stream, ret)
 
 
 def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None,
@@ -250,7 +250,7 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
                                  V.host_ints(seq_lens), r)
         if nb.size and int(nb.max()) > s[1]:
             raise V.QSAInputError(f"scores has {s[1]} groups but a row sees {int(nb.max())}")
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, scores)
     was_host = dev.is_host(scores)
     if was_host:
         if nb is not None and np.isnan(np.where(np.arange(s[1])[None, :] < nb[:, None], scores,
@@ -262,11 +262,11 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     d_s = dev.as_device(scores, stream)[0]
     if not d_s.is_c_contiguous():
         raise V.QSAInputError("device scores must be C-contiguous (they are read as uint32 bits)")
-    groups = dev.out_buffer(out, (rows, int(Kb)), np.int32, stream, "topk_groups")
+    groups, ret = dev.output(out, (rows, int(Kb)), np.int32, stream, "topk_groups", scores)
     _topk.launch_topk(d_s.view(np.uint32), dev.ints(req_ids, stream), dev.ints(positions, stream),
                       dev.ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
                       stream, r=r)
-    return dev.finish(groups, was_host, out, stream)
+    return dev.finish(groups, was_host, out, stream, ret)
 
 
 def _check_groups_host(g, req_ids, positions, seq_lens, r):
@@ -296,18 +296,19 @@ def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream
     if gs[0] != rows:
         raise V.QSAInputError(f"groups must be [rows={rows}, Kb], got shape {gs}")
     V._dtype(groups, "groups", ("int32",))
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, groups)
     was_host = dev.is_host(groups)
     if was_host and values_checked(validate, req_ids, positions, seq_lens):
         _check_groups_host(groups, req_ids, positions, seq_lens, r)
     out_t, out_c = out if out is not None else (None, None)
-    tokens = dev.out_buffer(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens")
-    counts = dev.out_buffer(out_c, (rows,), np.int32, stream, "counts")
+    tokens, t_ret = dev.output(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens", groups)
+    counts, c_ret = dev.output(out_c, (rows,), np.int32, stream, "counts", groups)
     prof = plan_select(rows, 0, dev.device_cc()).profile
     _expand.launch_expand(dev.as_device(groups, stream)[0], dev.ints(req_ids, stream),
                           dev.ints(positions, stream), dev.ints(seq_lens, stream), tokens, counts, prof,
                           stream, r=r)
-    return dev.finish(tokens, was_host, out_t, stream), dev.finish(counts, was_host, out_c, stream)
+    return (dev.finish(tokens, was_host, out_t, stream, t_ret),
+            dev.finish(counts, was_host, out_c, stream, c_ret))
 
 
 def select_chunk_rows(rows, num_groups, budget=None):
