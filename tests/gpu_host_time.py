@@ -6,7 +6,8 @@ prefill), ``run_select``, ``run_attention``; the functional ``qsa_prefill``, ``s
 ``num_groups=``, ``validate=False``); the stage functions ``index_scores``, ``topk_groups`` and
 ``expand_tokens`` with default arguments. ``<name>_gpu_still_busy`` says whether the GPU was still
 busy after the 100 calls, i.e. no call waited for it (a call that synchronised would also take the
-busy GPU's remaining time, about a second).
+busy GPU's remaining time, about a second). ``<call>_new_rows``: median of 20 calls that each
+see a new row count, so each records and prepares its launches anew (first call of a layout).
 """
 import json
 import sys
@@ -22,6 +23,7 @@ META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
 LAYER = ("qi", "index_cache", "q", "k_cache", "v_cache")
 ARGS = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
         "req_ids", "positions", "seq_lens")
+SEL = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
 
 
 def median_us(fn, n=100):
@@ -56,8 +58,7 @@ def main(path):
         case = {"launches": [pr.num_launches for pr in progs], "fast": [pr.fast for pr in progs],
                 "fallback": [pr.fallback_reason for pr in progs]}
         G = ctx // 4
-        sel_args = [t[k] for k in ("qi", "index_cache", "index_block_table", "req_ids", "positions",
-                                   "seq_lens")]
+        sel_args = [t[k] for k in SEL]
         batch = [t[k] for k in ("req_ids", "positions", "seq_lens")]
         att_args = [t["q"], t["k_cache"], t["v_cache"], t["block_table"], tok, cnt, t["req_ids"],
                     t["seq_lens"]]
@@ -93,6 +94,30 @@ def main(path):
             us, busy = median_us(fn)
             case[name + "_us"] = round(us, 1)
             case[name + "_gpu_still_busy"] = busy
+        if rows > 1:
+            # a new row count on every call (a serving loop whose batch changes): each call records
+            # and prepares its launches again, the cost of the first call of a layout
+            sizes = iter(range(rows - 1, 0, -1))
+
+            def shrunk(names, n):
+                return [t[k][:n] if k in ("qi", "q", "req_ids", "positions") else t[k]
+                        for k in names]
+
+            def sel_new():
+                numqsa.select(*shrunk(SEL, next(sizes)))
+
+            def att_new():
+                n = next(sizes)
+                numqsa.sparse_attention(t["q"][:n], t["k_cache"], t["v_cache"], t["block_table"],
+                                        tok[:n], cnt[:n], t["req_ids"][:n], t["seq_lens"])
+
+            def prefill_new():
+                numqsa.qsa_prefill(*shrunk(ARGS, next(sizes)))
+            for name, fn in (("select_new_rows", sel_new), ("sparse_attention_new_rows", att_new),
+                             ("qsa_prefill_new_rows", prefill_new)):
+                us, busy = median_us(fn, n=20)
+                case[name + "_us"] = round(us, 1)
+                case[name + "_gpu_still_busy"] = busy
         case["run_us_per_launch"] = round(case["run_out_us"] / max(1, progs[0].num_launches), 1)
         res[f"{rows}x{ctx}"] = case
         print(rows, ctx, case, flush=True)
