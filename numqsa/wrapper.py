@@ -29,7 +29,6 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
-from .jit import SIMULATOR
 from .launch import Program, recording
 
 __all__ = ["QSAPrefillWrapper", "check_geometry_int", "cached_wrapper"]
