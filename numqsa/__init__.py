@@ -3,7 +3,9 @@
 Every public function mirrors the float64 oracle in :mod:`oracle` name for name and argument for
 argument, adding ``out=``/``stream=`` where they apply. NumPy inputs give NumPy outputs; numba
 device arrays and PyTorch/CuPy CUDA tensors are used in place. :class:`QSAPrefillWrapper` plans a
-batch once and runs each layer with prepared launches; :func:`qsa_prefill` is a thin layer over it.
+batch once and runs each layer with prepared launches; :func:`qsa_prefill`, :func:`select` and
+:func:`sparse_attention` are thin layers over it. By default (``validate=None``) no call on device
+arrays reads them back, so none waits for the GPU.
 """
 import ctypes as _ctypes
 import os as _os

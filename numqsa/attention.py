@@ -6,7 +6,9 @@ Each public function mirrors its :mod:`oracle` namesake argument for argument, a
 ``stream=`` (and ``out_dtype=`` for the attention outputs): validate (``oracle.validate``, before any
 launch) -> move to the device (:mod:`numqsa.device`; device arrays and CUDA tensors are used in place,
 strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> launch -> NumPy back if
-the query was NumPy, else device arrays.
+the query was NumPy, else device arrays. :func:`sparse_attention` is a thin layer over
+:class:`numqsa.QSAPrefillWrapper` (plan, then ``run_attention``); :func:`attention_launch` is the
+direct launcher the wrapper records (and a forced ``route_name`` runs).
 
 Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
 profile's ``page4_min_rows`` rows on (every row count on sm_80/sm_90), the page-4 plan plus a grouped
@@ -19,18 +21,21 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
+from .selection import values_checked
 from .kernels import attention as _generic
 from .kernels import grouped as _grouped
 from .kernels import page4 as _page4
 from .plan import plan_attention
+from .prefill import Workspace
+from .wrapper import cached_wrapper, fill_out
 
-__all__ = ["sparse_attention", "page4_plan", "page4_attention", "route"]
+__all__ = ["sparse_attention", "attention_launch", "page4_plan", "page4_attention", "route"]
 
 
 def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     r = V.check_r(r)
     (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
-    V.check_batch(req_ids, np.zeros(rows, np.int32), seq_lens)
+    V.check_batch(req_ids, req_ids, seq_lens)          # attention reads no positions
     num_pages, page_size, hkv, d = V.check_kv(k_cache, v_cache, r)
     hq = V.check_q(q, rows, hkv, d)
     qd = dev.float_dtype(q, "q")
@@ -81,25 +86,74 @@ def route(rows, page_size, r=4, cc=None):
     return plan_attention(rows, dev.device_cc() if cc is None else cc, page_size, r)
 
 
+def _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate):
+    """Value checks: host selections against host metadata (whatever ``validate``), the page table
+    when it and ``seq_lens`` are on the host (or ``validate=True`` reads them back)."""
+    if dev.is_host(tokens) and values_checked(validate or None, counts, req_ids, seq_lens):
+        V.check_tokens(tokens, counts, req_ids, seq_lens)
+    if values_checked(validate, block_table, seq_lens):
+        V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+
+
 def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
                      scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
-                     workspace=None, validate=True):
+                     workspace=None, validate=None):
     """``(out [rows, Hq, D], lse float32 [rows, Hq])`` over ``S_i = tokens[i, :counts[i]]``.
 
-    Mirrors :func:`oracle.sparse_attention`. ``out`` (optional) may be a tuple ``(out, lse)`` of
-    preallocated buffers; ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers
-    between calls; ``validate=False`` skips the checks that read page tables on the host. The output dtype is the query's unless ``out_dtype`` (float16/float32).
-    Inert rows and rows whose ids are out of range (the kernels check; the API checks the table)
-    give 0 / ``-inf``. ``route_name`` ("generic" or "page4") overrides the planned route (tests and
-    benchmarks); the page-4 route needs selections of whole aligned groups plus one tail run.
+    Mirrors :func:`oracle.sparse_attention`; a thin layer over :class:`numqsa.QSAPrefillWrapper`
+    (``plan`` then ``run_attention`` on a wrapper kept per geometry, stream and thread, or in
+    ``workspace``, a :class:`numqsa.Workspace`), so repeated calls of one layout replay prepared
+    launches. ``out`` (optional) may be a tuple ``(out, lse)`` of preallocated buffers (``None``
+    entries are allocated). The output dtype is the query's unless ``out_dtype`` (float16/float32).
+    Arrays come back as ``q`` came in (NumPy in, NumPy out, copied in and out); ``stream``
+    defaults to the current stream of ``q``'s framework.
+
+    ``validate``: None (default) checks host values only (host selections against host metadata,
+    the page table when it and ``seq_lens`` are on the host) and never reads a device array back
+    (no wait for the GPU); True reads device tables back once; False skips the page-table check.
+    Inert rows and rows whose ids are out of range (the kernels check) give 0 / ``-inf``.
+    ``route_name`` ("generic" or "page4") forces a route (tests and benchmarks): such a call runs
+    the direct launcher (:func:`attention_launch`, same checks and results, no prepared launches);
+    the page-4 route needs selections of whole aligned groups plus one tail run.
+    """
+    if route_name is not None:
+        return attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids,
+                                seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
+                                stream=stream, route_name=route_name, workspace=workspace,
+                                validate=validate)
+    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
+                                                                      seq_lens, r)
+    kb = V.check_selection(tokens, counts, rows, r)
+    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages,
+                 validate)
+    od = _out_dtype(out_dtype, qd)
+    lead_kind = dev.array_kind(q, "q")
+    handle = (dev.current_stream_handle(lead_kind, q) if stream is None
+              else dev.stream_handle(stream))
+    keep = workspace if isinstance(workspace, Workspace) else None
+    w = cached_wrapper("attention", handle, keep, Hi=1, Di=1, Hq=hq, Hkv=hkv, D=d, r=r,
+                       Kb=max(1, kb), dtype=qd, out_dtype=od, scale=scale)
+    # the table was checked above (or not, as validate says): the plan does not check it again
+    w.plan(req_ids, None, seq_lens, block_table, validate=False, stream=handle)
+    if out is not None:
+        shapes = (((rows, hq, d), od), ((rows, hq), "float32"))
+        out = fill_out(out, ("out", "lse"),
+                       lambda i: dev.new_array(lead_kind, shapes[i][0], shapes[i][1], q, None))
+    return w.run_attention(q, k_cache, v_cache, tokens, counts, out=out, stream=handle)
+
+
+def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
+                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
+                     workspace=None, validate=None):
+    """The direct launcher behind :func:`sparse_attention` (same arguments and results): what
+    :class:`numqsa.QSAPrefillWrapper` records, and what a forced ``route_name`` runs.
+
+    ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers between calls.
     """
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     V.check_selection(tokens, counts, rows, r)
-    if dev.is_host(tokens):
-        V.check_tokens(tokens, counts, req_ids, seq_lens)
-    if validate:
-        V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
+    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate)
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     plan = route(rows, page_size, r)
@@ -111,14 +165,14 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         if route_name == "page4":
             raise V.QSAInputError(f"the page-4 route cannot run this problem: {why}")
         name = "generic"
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     tab, tok, cnt, rid, lens = (dev.ints(x, stream) for x in (block_table, tokens, counts, req_ids,
                                                             seq_lens))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
-    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
+    o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
+    lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)
     if name == "page4":
         kb = (tok.shape[1] - (r - 1)) // r
         bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
@@ -140,7 +194,8 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
-    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream, o_ret),
+            dev.finish(lse, was_host, lse_buf, stream, l_ret))
 
 
 def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num_pages, r=4,
@@ -157,18 +212,19 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     if page_size % r:
         raise V.QSAInputError(f"page_size {page_size} is not a multiple of r = {r}")
     V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, tokens)
     was_host = dev.is_host(tokens)
     tok, cnt, tab, rid, lens = (dev.ints(x, stream) for x in (tokens, counts, block_table, req_ids,
                                                             seq_lens))
     prof = route(rows, page_size, r).profile
     bufs = (None, None, None) if out is None else out
-    pages = dev.out_buffer(bufs[0], (rows, kb + 1, 2), "int32", stream, "pages")
-    nv = dev.out_buffer(bufs[1], (rows,), "int32", stream, "num_vpages")
-    tl = dev.out_buffer(bufs[2], (rows,), "int32", stream, "tail_len")
+    made = [dev.output(b, shape, "int32", stream, n, tokens) for b, shape, n in
+            zip(bufs, ((rows, kb + 1, 2), (rows,), (rows,)), ("pages", "num_vpages", "tail_len"))]
+    (pages, _), (nv, _), (tl, _) = made
     geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
     _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, prof, stream, r)
-    return tuple(dev.finish(x, was_host, b, stream) for x, b in zip((pages, nv, tl), bufs))
+    return tuple(dev.finish(x, was_host, b, stream, native)
+                 for (x, native), b in zip(made, bufs))
 
 
 def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *, scale=None, r=4,
@@ -194,13 +250,14 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     prof = route(rows, page_size, r).profile
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     pg, nv, tl, rid = (dev.ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
-    o = dev.out_buffer(out_buf, (rows, hq, d), od, stream, "out")
-    lse = dev.out_buffer(lse_buf, (rows, hq), "float32", stream, "lse")
+    o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
+    lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)
     _launch_grouped_route(qd_, kc, vc, pg, nv, tl, None, rid, scale, o, lse, od, prof, stream, r,
                           lambda n, shape, dt: dev.empty(shape, dt, stream))
-    return (dev.finish(o, was_host, out_buf, stream), dev.finish(lse, was_host, lse_buf, stream))
+    return (dev.finish(o, was_host, out_buf, stream, o_ret),
+            dev.finish(lse, was_host, lse_buf, stream, l_ret))

@@ -41,17 +41,39 @@ def is_host(x):
     return isinstance(x, np.ndarray)
 
 
+_KINDS = {np.ndarray: "numpy"}
+
+
 def array_kind(x, name="array"):
     """``"numpy"``, ``"torch"``, ``"cupy"``, ``"numba"`` or ``"cuda"`` (any other
     ``__cuda_array_interface__`` / DLPack producer), or a :class:`QSAInputError` that says why not."""
+    t = type(x)
+    kind = _KINDS.get(t)                 # the kind is the type's (torch: and the tensor's device)
+    if kind is None:
+        kind = _kind_of_type(x)
+        if kind is not None:
+            _KINDS[t] = kind
+    if kind == "torch":
+        if not x.is_cuda:
+            from oracle.validate import QSAInputError
+            raise QSAInputError(f"{name} is a CPU torch tensor: pass {name}.cuda() (used in place "
+                                f"from then on) or {name}.numpy() (copied in and out)")
+        return kind
+    if kind is not None:
+        return kind
     from oracle.validate import QSAInputError
+    if isinstance(x, (list, tuple)):
+        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
+                            f"(np.asarray({name}, dtype=...) or a CUDA tensor)")
+    raise QSAInputError(f"{name} is a {type(x).__name__}; expected a NumPy array or a CUDA array "
+                        f"(torch, CuPy, numba, __cuda_array_interface__ or DLPack)")
+
+
+def _kind_of_type(x):
     if isinstance(x, np.ndarray):
         return "numpy"
     mod = type(x).__module__.split(".")[0]
     if mod == "torch":
-        if not x.is_cuda:
-            raise QSAInputError(f"{name} is a CPU torch tensor: pass {name}.cuda() (used in place "
-                                f"from then on) or {name}.numpy() (copied in and out)")
         return "torch"
     if mod == "cupy":
         return "cupy"
@@ -59,11 +81,7 @@ def array_kind(x, name="array"):
         return "numba"
     if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
         return "cuda"
-    if isinstance(x, (list, tuple)):
-        raise QSAInputError(f"{name} is a Python {type(x).__name__}; pass an array "
-                            f"(np.asarray({name}, dtype=...) or a CUDA tensor)")
-    raise QSAInputError(f"{name} is a {type(x).__name__}; expected a NumPy array or a CUDA array "
-                        f"(torch, CuPy, numba, __cuda_array_interface__ or DLPack)")
+    return None
 
 
 class _CAI:
@@ -259,7 +277,37 @@ def out_buffer(out, shape, dtype, stream, name):
     return as_device(out, stream)[0]
 
 
-def finish(result, was_host, out, stream):
+def caller_stream(stream, like):
+    """A numba stream: ``stream`` if given, else the current stream of ``like``'s framework
+    (torch/CuPy), else the default stream."""
+    if stream is None and not isinstance(like, np.ndarray):
+        kind = array_kind(like)
+        if kind in ("torch", "cupy"):
+            stream = current_stream_handle(kind, like)
+    return resolve_stream(stream)
+
+
+def output(out, shape, dtype, stream, name, like):
+    """``(device array to launch into, array to return or None)``: the caller's ``out`` (checked,
+    see :func:`out_buffer`), else for torch/CuPy ``like`` a fresh array of that framework (torch
+    in, torch out; its caching allocator frees without a device synchronisation), else a fresh
+    numba array."""
+    if out is None and not isinstance(like, np.ndarray):
+        kind = array_kind(like)
+        if kind in ("torch", "cupy"):
+            arr = new_array(kind, shape, dtype, like, stream)
+            return as_numba(arr), arr
+    return out_buffer(out, shape, dtype, stream, name), None
+
+
+def finish(result, was_host, out, stream, native=None):
+    """As :func:`finish_one`, or ``native`` (the framework array :func:`output` made) if any."""
+    if native is not None:
+        return native
+    return finish_one(result, was_host, out, stream)
+
+
+def finish_one(result, was_host, out, stream):
     """The caller's ``out`` if one was given (a NumPy ``out`` is written, any strides), NumPy back
     for NumPy callers, else the device array."""
     if isinstance(out, np.ndarray):

@@ -212,6 +212,17 @@ class Program:
                 self.fast = True
             except Exception as err:        # unknown argument kind: replay through the dispatcher
                 self.fallback_reason = f"{type(err).__name__}: {err}"
+        if self.fast:
+            self._release_inputs()
+
+    def _release_inputs(self):
+        """Drop the recorded arrays that lie in an input (a replay re-points them anyway), so a kept
+        program does not keep a caller's tensors alive; frozen arguments (buffers the launchers or
+        the wrapper own) stay referenced, their pointers are in the parameter buffer."""
+        for rec, pts in zip(self.records, self.patches):
+            located = {k for k, _, _, _ in pts}
+            rec.args = tuple(None if k in located else a for k, a in enumerate(rec.args))
+        self.patches = [[(k, j, off, None) for k, j, off, _ in pts] for pts in self.patches]
 
     @property
     def num_launches(self):

@@ -1,11 +1,12 @@
 """The whole QSA prefill in one call: a thin layer over :class:`numqsa.QSAPrefillWrapper`.
 
 Each call plans the batch and runs one layer on a wrapper kept per geometry, stream and thread (or in
-the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches.
+the caller's :class:`Workspace`), so repeated calls of one layout reuse the prepared launches
+(:func:`numqsa.select` and :func:`numqsa.sparse_attention` do the same with ``run_select`` and
+``run_attention``).
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -13,17 +14,19 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
-from .wrapper import QSAPrefillWrapper, _Buffers, check_geometry_int
+from .wrapper import _Buffers, cached_wrapper, check_geometry_int
 
 __all__ = ["qsa_prefill", "Workspace"]
 
 
 class Workspace:
-    """Keeps a wrapper (its buffers and prepared launches) and the outputs across calls.
+    """Keeps wrappers (their buffers and prepared launches) and outputs across functional calls.
 
     With a workspace, :func:`qsa_prefill` writes its results into buffers kept here (reused while
     the shapes stay the same: a second call of the same shapes allocates no device memory); the
-    arrays a call returns are therefore overwritten by the next call.
+    arrays a call returns are therefore overwritten by the next call. :func:`numqsa.select` and
+    :func:`numqsa.sparse_attention` keep their wrapper here too (their results stay fresh arrays
+    unless ``out=`` is given).
     """
 
     def __init__(self):
@@ -48,19 +51,6 @@ class Workspace:
         total = sum(w._ws.nbytes for w in self._wrappers.values()) + self._scratch.nbytes
         return total + sum(int(np.prod(b.shape)) * np.dtype(str(b.dtype).replace("torch.", "")).itemsize
                            for bufs in self._outs.values() for b in bufs)
-
-
-_CACHE = {}
-
-
-def _wrapper(key, workspace, **geometry):
-    store = _CACHE if workspace is None else workspace._wrappers
-    w = store.get(key)
-    if w is None:
-        if len(store) > 32:
-            store.clear()
-        w = store[key] = QSAPrefillWrapper(**geometry)
-    return w
 
 
 def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cache: Any,
@@ -116,8 +106,8 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
     lead_kind = dev.array_kind(q, "q")
     handle = (dev.current_stream_handle(lead_kind, q) if stream is None
               else dev.stream_handle(stream))
-    key = (tuple(sorted(geometry.items(), key=lambda kv: kv[0])), handle, threading.get_ident())
-    w = _wrapper(key, workspace, **geometry)
+    w = cached_wrapper("prefill", handle, workspace, **geometry)
+    key = (w.out_dtype, handle)           # the kept outputs: shapes are compared on use
     w.plan(req_ids, positions, seq_lens, block_table, index_block_table, num_groups=num_groups,
            validate=validate, stream=handle)
     if out is not None:

@@ -1,9 +1,15 @@
 """Selection (spec §3-§5): pre-indexer, index scores, top-k groups, expansion, and the fused ``select``.
 
-Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=`` and
-``stream=``: validate (``oracle.validate``, before any launch) -> move to the device
+Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=``,
+``stream=`` and ``validate=``: validate (``oracle.validate``, before any launch) -> move to the device
 (:mod:`numqsa.device`) -> plan (:func:`numqsa.plan.plan_select`) -> launch -> NumPy back if the inputs
-were NumPy, else device arrays (no copies of device inputs; any strides).
+were NumPy, else device arrays (no copies of device inputs; any strides). The fused :func:`select`
+is a thin layer over :class:`numqsa.QSAPrefillWrapper` (plan, then ``run_select``).
+
+``validate`` (every function here): None (default) checks the values of host arrays only and never
+reads a device array back, so a call on device arrays never waits for the GPU (the kernels guard
+device tables: a row needing a bad page id is inert); True also reads device metadata back (one
+synchronisation) and checks it as if it were on the host; False checks shapes and dtypes only.
 
 Kernels: :mod:`numqsa.kernels.index_keys`, :mod:`~numqsa.kernels.index_scores`,
 :mod:`~numqsa.kernels.topk`, :mod:`~numqsa.kernels.expand`.
@@ -19,6 +25,8 @@ from .kernels import index_keys as _pre
 from .kernels import index_scores as _scores
 from .kernels import topk as _topk
 from .plan import plan_select
+from .prefill import Workspace
+from .wrapper import _kernel_dtype, cached_wrapper, fill_out
 
 __all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand_tokens", "select",
            "SELECT_SCORE_BYTES"]
@@ -29,7 +37,7 @@ SELECT_SCORE_BYTES = 1 << 30
 
 
 def _dummy_ints(stream):
-    return dev.as_device(np.zeros(1, np.int32), stream)[0]
+    return dev.constant(np.zeros(1, np.int32), stream)
 
 
 def _rope_positions(rope_positions, n, stream, name):
@@ -52,14 +60,30 @@ def _emulate_f16(emulate_dtype):
     raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
 
 
+def _check_key_pages(reqs, eids, tab, ic):
+    """Each group's request and group id in range and its index page a valid page id."""
+    for g in range(reqs.shape[0]):
+        q, e = int(reqs[g]), int(eids[g])
+        if not 0 <= q < tab.shape[0] or e < 0:
+            raise V.QSAInputError(f"group {g}: request {q} / group id {e} out of range")
+        c = e // ic[1]
+        if c >= tab.shape[1] or not 0 <= tab[q, c] < ic[0]:
+            page = tab[q, c] if c < tab.shape[1] else "missing"
+            raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
+                                  f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
+
+
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
-               rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None):
+               rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None,
+               validate=None):
     """Compressed keys ``kc[g] = rope(gnorm(mean(k_raw[g]), w_k), r * group_ids[g])``, stored in place.
 
     Shapes: ``k_raw [G, r, Di]`` -> ``kc float32 [G, Di]`` (before rounding to the cache dtype); each
     key is also written to ``index_cache[index_block_table[q, e // R], e % R]`` in the cache's dtype
     (a NumPy cache is updated in place too). Pooling in float32; ``emulate_dtype=float16`` rounds the
-    mean to float16 before the norm, as the serving engines' references do.
+    mean to float16 before the norm, as the serving engines' references do. Request, group and page
+    ids are checked when they are on the host (or ``validate=True``); on the device the kernel skips
+    the store of a key whose page is out of range.
     """
     V.check_array(w_k, "w_k")
     s = V._rank(k_raw, "k_raw", 3, "[G, r, Di]")
@@ -73,36 +97,30 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     dev.float_dtype(index_cache, "index_cache")
     if ic[2] != di:
         raise V.QSAInputError(f"index_cache Di = {ic[2]} differs from k_raw's Di = {di}")
-    reqs, eids = V.host_ints(group_req_ids), V.host_ints(group_ids)
-    if reqs.shape != (G,) or eids.shape != (G,):
-        raise V.QSAInputError(f"group_req_ids {reqs.shape} and group_ids {eids.shape} must be ({G},)")
-    tab = V.host_ints(index_block_table)
-    if tab.ndim != 2:
-        raise V.QSAInputError(f"index_block_table must have rank 2, got shape {tab.shape}")
-    for g in range(G):
-        q, e = int(reqs[g]), int(eids[g])
-        if not 0 <= q < tab.shape[0] or e < 0:
-            raise V.QSAInputError(f"group {g}: request {q} / group id {e} out of range")
-        c = e // ic[1]
-        if c >= tab.shape[1] or not 0 <= tab[q, c] < ic[0]:
-            page = tab[q, c] if c < tab.shape[1] else "missing"
-            raise V.QSAInputError(f"index_block_table[{q}, {c}] = {page} is not a valid page id "
-                                  f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
+    V.check_array(group_req_ids, "group_req_ids")
+    V.check_array(group_ids, "group_ids")
+    rs, es = tuple(group_req_ids.shape), tuple(group_ids.shape)
+    if rs != (G,) or es != (G,):
+        raise V.QSAInputError(f"group_req_ids {rs} and group_ids {es} must be ({G},)")
+    V._rank(index_block_table, "index_block_table", 2, "[num_reqs, cols]")
+    if values_checked(validate, group_req_ids, group_ids, index_block_table):
+        _check_key_pages(V.host_ints(group_req_ids), V.host_ints(group_ids),
+                         V.host_ints(index_block_table), ic)
     emulate = _emulate_f16(emulate_dtype)
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, k_raw)
     was_host = dev.is_host(k_raw)
     d_k = dev.as_device(k_raw, stream)[0]
     d_w = dev.as_device(w_k, stream)[0]
     d_ic, ic_host = dev.as_device(index_cache, stream)
     rp, has_rp = _rope_positions(rope_positions, G, stream, "G")
-    kc = dev.out_buffer(out, (G, di), np.float32, stream, "index_keys")
+    kc, kc_ret = dev.output(out, (G, di), np.float32, stream, "index_keys", k_raw)
     _pre.launch_index_keys(d_k, d_w, dev.ints(group_req_ids, stream), dev.ints(group_ids, stream), rp,
                            has_rp, d_ic, dev.ints(index_block_table, stream), kc, stream, eps=eps,
                            rot=rot, theta=theta, emulate_f16=emulate)
     if ic_host:
         index_cache[...] = d_ic.copy_to_host(stream=stream)
         stream.synchronize()
-    return dev.finish(kc, was_host, out, stream)
+    return dev.finish(kc, was_host, out, stream, kc_ret)
 
 
 def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
@@ -121,26 +139,36 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
         raise V.QSAInputError(f"w_q must have shape ({s[2]},), got {tuple(w_q.shape)}")
     if rot % 2 or rot > s[2]:
         raise V.QSAInputError(f"rot = {rot} must be even and <= Di = {s[2]}")
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, q_raw)
     was_host = dev.is_host(q_raw)
     rp, has_rp = _rope_positions(rope_positions, rows, stream, "rows")
-    qi = dev.out_buffer(out, s, dt, stream, "index_queries")
+    qi, qi_ret = dev.output(out, s, dt, stream, "index_queries", q_raw)
     _pre.launch_index_queries(dev.as_device(q_raw, stream)[0], dev.as_device(w_q, stream)[0],
                               dev.ints(req_ids, stream), dev.ints(positions, stream),
                               dev.ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
                               theta=theta)
-    return dev.finish(qi, was_host, out, stream)
+    return dev.finish(qi, was_host, out, stream, qi_ret)
+
+
+def values_checked(validate, *arrays):
+    """Whether value checks run: ``validate=True`` always (device arrays are read back), None when
+    every array they read is on the host (no call on device arrays waits), False never."""
+    if validate is None:
+        return all(isinstance(a, np.ndarray) for a in arrays)
+    return bool(validate)
 
 
 def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r,
-                         validate=True):
+                         validate=None):
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
     n_pages, rows_per_page, di = V.check_index_cache(index_cache)
     V.check_index_q(qi, rows, di)
     dev.float_dtype(qi, "qi")
     dev.float_dtype(index_cache, "index_cache")
-    if validate:
+    V._rank(index_block_table, "index_block_table", 2, "[num_reqs, cols]")
+    V._dtype(index_block_table, "index_block_table", V.INT_DTYPES)
+    if values_checked(validate, index_block_table, seq_lens):
         V.check_table(index_block_table, seq_lens, units_per_page=rows_per_page, num_pages=n_pages,
                       r=r, name="index_block_table")
     return r, rows
@@ -149,6 +177,14 @@ def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
 def _default_groups(seq_lens, r):
     lens = V.host_ints(seq_lens)
     return int(lens.max()) // r if lens.size else 0
+
+
+def _score_width(index_cache, index_block_table, seq_lens, r, validate):
+    """``max(seq_lens) // r`` when seq_lens are on the host (or may be read back), else the index
+    table's capacity ``cols * R`` (groups past a row's ``nb`` score ``-inf``)."""
+    if isinstance(seq_lens, np.ndarray) or validate:
+        return _default_groups(seq_lens, r)
+    return int(index_block_table.shape[1]) * int(index_cache.shape[1])
 
 
 def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
@@ -164,34 +200,43 @@ def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
 
 
 def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, r=4,
-                 num_groups=None, out=None, stream=None):
+                 num_groups=None, out=None, stream=None, validate=None):
     """``score[i, e] = sum_h relu(<qi[i, h], kc[e]>) / sqrt(Di)`` for ``e < nb_i``, else ``-inf``.
 
     Shapes: ``qi [rows, Hi, Di]``, ``index_cache [pages, R, Di]`` (any strides) ->
-    ``float32 [rows, num_groups]`` (default ``max(seq_lens) // r``). Tensor-core tiles for long
-    prefill (float16 inputs, :func:`numqsa.plan.plan_select`), a light fp32 kernel otherwise.
+    ``float32 [rows, num_groups]``. ``num_groups`` defaults to ``max(seq_lens) // r`` for host
+    ``seq_lens`` (or ``validate=True``); for device ``seq_lens`` (not read back) to ``out``'s width
+    if ``out`` is given, else the index table's capacity ``cols * R`` (the extra columns are
+    ``-inf``). Tensor-core tiles for long prefill (float16 inputs, :func:`numqsa.plan.plan_select`),
+    a light fp32 kernel otherwise.
     """
     r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
-                                   seq_lens, r)
-    if num_groups is None:
-        num_groups = _default_groups(seq_lens, r)
-    else:
+                                   seq_lens, r, validate)
+    if num_groups is not None:
         num_groups = V.check_int(num_groups, "num_groups", 0)
-    stream = dev.resolve_stream(stream)
+    elif (out is not None and not isinstance(seq_lens, np.ndarray) and not validate
+          and len(getattr(out, "shape", ())) == 2):
+        num_groups = int(out.shape[1])
+    else:
+        num_groups = _score_width(index_cache, index_block_table, seq_lens, r, validate)
+    stream = dev.caller_stream(stream, qi)
     was_host = dev.is_host(qi)
-    scores = dev.out_buffer(out, (rows, int(num_groups)), np.float32, stream, "index_scores")
+    scores, ret = dev.output(out, (rows, int(num_groups)), np.float32, stream, "index_scores", qi)
     _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0],
                    dev.ints(index_block_table, stream), dev.ints(req_ids, stream),
                    dev.ints(positions, stream), dev.ints(seq_lens, stream), scores, r, stream)
-    return dev.finish(scores, was_host, out, stream)
+    return dev.finish(scores, was_host, out, stream, ret)
 
 
-def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None):
+def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None,
+                validate=None):
     """Row ``i`` keeps ``min(Kb, nb_i)`` groups by (score desc, group id asc), ascending, -1 padded.
 
     The rule is applied bitwise to float32 scores (``-0.0 == +0.0``); NumPy scores of another dtype
     are rounded to float32 first, device scores must already be C-contiguous float32 (not checked
     for NaN: visible scores must not be NaN). Shapes: ``scores [rows, G]`` -> ``int32 [rows, Kb]``.
+    With host metadata (or ``validate=True``) a row seeing more than ``G`` groups is refused; on
+    the device the kernel ranks the first ``G`` only.
     """
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
@@ -199,13 +244,17 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     if s[0] != rows:
         raise V.QSAInputError(f"scores must be [rows={rows}, groups], got shape {s}")
     Kb = V.check_kb(Kb)
-    _, _, _, nb = row_states(V.host_ints(req_ids), V.host_ints(positions), V.host_ints(seq_lens), r)
-    if nb.size and int(nb.max()) > s[1]:
-        raise V.QSAInputError(f"scores has {s[1]} groups but a row sees {int(nb.max())}")
-    stream = dev.resolve_stream(stream)
+    nb = None
+    if values_checked(validate, req_ids, positions, seq_lens):
+        _, _, _, nb = row_states(V.host_ints(req_ids), V.host_ints(positions),
+                                 V.host_ints(seq_lens), r)
+        if nb.size and int(nb.max()) > s[1]:
+            raise V.QSAInputError(f"scores has {s[1]} groups but a row sees {int(nb.max())}")
+    stream = dev.caller_stream(stream, scores)
     was_host = dev.is_host(scores)
     if was_host:
-        if np.isnan(np.where(np.arange(s[1])[None, :] < nb[:, None], scores, 0)).any():
+        if nb is not None and np.isnan(np.where(np.arange(s[1])[None, :] < nb[:, None], scores,
+                                                0)).any():
             raise V.QSAInputError("scores has NaN among a row's visible groups")
         scores = np.ascontiguousarray(scores, dtype=np.float32)
     elif V.dtype_name(scores) != "float32":
@@ -213,11 +262,11 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     d_s = dev.as_device(scores, stream)[0]
     if not d_s.is_c_contiguous():
         raise V.QSAInputError("device scores must be C-contiguous (they are read as uint32 bits)")
-    groups = dev.out_buffer(out, (rows, int(Kb)), np.int32, stream, "topk_groups")
+    groups, ret = dev.output(out, (rows, int(Kb)), np.int32, stream, "topk_groups", scores)
     _topk.launch_topk(d_s.view(np.uint32), dev.ints(req_ids, stream), dev.ints(positions, stream),
                       dev.ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
                       stream, r=r)
-    return dev.finish(groups, was_host, out, stream)
+    return dev.finish(groups, was_host, out, stream, ret)
 
 
 def _check_groups_host(g, req_ids, positions, seq_lens, r):
@@ -232,12 +281,14 @@ def _check_groups_host(g, req_ids, positions, seq_lens, r):
                                   f"followed by -1 padding")
 
 
-def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream=None):
+def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream=None,
+                  validate=None):
     """Token ids of the selected groups, ascending, then the forced tail ``r*nb .. p``.
 
     ``groups [rows, Kb]`` (ascending ids ``< nb``, then -1, as :func:`topk_groups` writes them;
-    checked for NumPy inputs) -> ``(tokens int32 [rows, Kb*r + r - 1], counts int32 [rows])``.
-    ``out`` may be a ``(tokens, counts)`` pair.
+    checked for NumPy groups with host metadata, or ``validate=True``; on the device the kernel
+    reads a row up to its first id that breaks the rule) -> ``(tokens int32 [rows, Kb*r + r - 1],
+    counts int32 [rows])``. ``out`` may be a ``(tokens, counts)`` pair.
     """
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, positions, seq_lens)
@@ -245,18 +296,19 @@ def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream
     if gs[0] != rows:
         raise V.QSAInputError(f"groups must be [rows={rows}, Kb], got shape {gs}")
     V._dtype(groups, "groups", ("int32",))
-    stream = dev.resolve_stream(stream)
+    stream = dev.caller_stream(stream, groups)
     was_host = dev.is_host(groups)
-    if was_host:
+    if was_host and values_checked(validate, req_ids, positions, seq_lens):
         _check_groups_host(groups, req_ids, positions, seq_lens, r)
     out_t, out_c = out if out is not None else (None, None)
-    tokens = dev.out_buffer(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens")
-    counts = dev.out_buffer(out_c, (rows,), np.int32, stream, "counts")
+    tokens, t_ret = dev.output(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens", groups)
+    counts, c_ret = dev.output(out_c, (rows,), np.int32, stream, "counts", groups)
     prof = plan_select(rows, 0, dev.device_cc()).profile
     _expand.launch_expand(dev.as_device(groups, stream)[0], dev.ints(req_ids, stream),
                           dev.ints(positions, stream), dev.ints(seq_lens, stream), tokens, counts, prof,
                           stream, r=r)
-    return dev.finish(tokens, was_host, out_t, stream), dev.finish(counts, was_host, out_c, stream)
+    return (dev.finish(tokens, was_host, out_t, stream, t_ret),
+            dev.finish(counts, was_host, out_c, stream, c_ret))
 
 
 def select_chunk_rows(rows, num_groups, budget=None):
@@ -268,8 +320,66 @@ def select_chunk_rows(rows, num_groups, budget=None):
 
 
 def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512, r=4,
-           out=None, stream=None, score_bytes=None, workspace=None, num_groups=None, validate=True):
+           out=None, stream=None, score_bytes=None, workspace=None, num_groups=None, validate=None):
     """Scores -> top-k -> expansion on the device: ``(tokens, counts, groups)``.
+
+    Mirrors :func:`oracle.select`; a thin layer over :class:`numqsa.QSAPrefillWrapper` (``plan``
+    then ``run_select`` on a wrapper kept per geometry, stream and thread), so repeated calls of
+    one layout replay prepared launches. Rows are processed in chunks whose float32 score block
+    stays under ``score_bytes`` (:data:`SELECT_SCORE_BYTES`, 1 GiB), reused from chunk to chunk.
+    Peak extra device memory: ``min(rows, score_bytes // (4*G)) * G * 4`` bytes of scores, plus the
+    outputs ``rows * (Kb*r + r - 1 + Kb + 1) * 4`` bytes. 16,384 rows at 1M tokens: 1 GiB of scores
+    + 0.17 GiB of outputs.
+
+    ``G`` (``num_groups``) defaults to ``max(seq_lens) // r`` for host ``seq_lens`` (or
+    ``validate=True``), else to the index table's capacity ``cols * R``; a given ``num_groups`` must
+    be at least ``max(seq_lens) // r``. ``validate``: None (default) checks host metadata and never
+    reads device metadata back (no wait for the GPU; the kernels make a row needing a bad page id
+    inert), True reads it back once, False checks shapes and dtypes only.
+    ``out`` may be a ``(tokens, counts, groups)`` triple (``None`` entries are allocated);
+    ``workspace`` a float32 device array of at least ``chunk * G`` elements to hold the scores, or a
+    :class:`numqsa.Workspace` to keep the wrapper in. Arrays come back as ``qi`` came in (NumPy in,
+    NumPy out, copied in and out); ``stream`` defaults to the current stream of ``qi``'s framework.
+    With ``out=`` a repeated call of one layout allocates nothing and never synchronises
+    (CUDA-graph capture).
+    """
+    r = V.check_r(r)
+    rows, _ = V.check_batch(req_ids, positions, seq_lens)
+    n_pages, R, di = V.check_index_cache(index_cache)
+    hi = V.check_index_q(qi, rows, di)
+    lead_kind = dev.array_kind(qi, "qi")
+    qd = _kernel_dtype(qi, "qi", lead_kind)
+    _kernel_dtype(index_cache, "index_cache", dev.array_kind(index_cache, "index_cache"))
+    Kb = V.check_kb(Kb)
+    if score_bytes is not None:
+        score_bytes = V.check_int(score_bytes, "score_bytes")
+    handle = (dev.current_stream_handle(lead_kind, qi) if stream is None
+              else dev.stream_handle(stream))
+    keep = workspace if isinstance(workspace, Workspace) else None
+    w = cached_wrapper("select", handle, keep, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r, Kb=Kb,
+                       dtype=qd, score_bytes=score_bytes)
+    w.plan(req_ids, positions, seq_lens, index_block_table, num_groups=num_groups,
+           validate=validate, stream=handle)
+    scores = None
+    if workspace is not None and keep is None:
+        need = w.score_elements(index_cache)
+        V.check_array(workspace, "workspace")
+        if rows and (V.dtype_name(workspace) != "float32"
+                     or int(np.prod(workspace.shape)) < need):
+            raise V.QSAInputError(f"workspace must be float32 with >= {need} elements")
+        if not isinstance(workspace, np.ndarray):
+            scores = workspace
+    if out is not None:
+        shapes = ((rows, w.width), (rows,), (rows, Kb))
+        out = fill_out(out, ("tokens", "counts", "groups"),
+                       lambda i: dev.new_array(lead_kind, shapes[i], np.int32, qi, None))
+    return w.run_select(qi, index_cache, out=out, stream=handle, scores=scores)
+
+
+def select_launch(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512,
+                  r=4, out=None, stream=None, score_bytes=None, workspace=None, num_groups=None,
+                  validate=False):
+    """The launches of :func:`select` (what :class:`numqsa.QSAPrefillWrapper` records).
 
     Rows are processed in chunks whose float32 score block stays under ``score_bytes``
     (:data:`SELECT_SCORE_BYTES`, 1 GiB), reused from chunk to chunk. Peak extra device memory:
@@ -279,8 +389,7 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     ``out`` may be a ``(tokens, counts, groups)`` triple; ``workspace`` a 1-D float32 device array
     of at least ``chunk * G`` elements to hold the scores (saves the allocation on repeated calls).
     ``num_groups`` gives ``G`` without reading ``seq_lens`` back (it must be at least
-    ``max(seq_lens) // r``); ``validate=False`` skips the host-side page-table checks. With both, and
-    ``out`` and ``workspace``, a call neither allocates nor synchronises (CUDA-graph capture).
+    ``max(seq_lens) // r``); ``validate`` as in :func:`select` (False here: the wrapper checked).
     """
     r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
                                    seq_lens, r, validate)

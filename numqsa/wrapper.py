@@ -19,6 +19,8 @@ the same tensors and ``g.replay()``.
 """
 from __future__ import annotations
 
+import os
+import threading
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -27,10 +29,9 @@ import numpy as np
 from oracle import validate as V
 
 from . import device as dev
-from .jit import SIMULATOR
 from .launch import Program, recording
 
-__all__ = ["QSAPrefillWrapper", "check_geometry_int"]
+__all__ = ["QSAPrefillWrapper", "check_geometry_int", "cached_wrapper"]
 
 META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
 MAX_KB, MAX_R = V.MAX_KB, V.MAX_R
@@ -65,11 +66,14 @@ class QSAPrefillWrapper:
 
     ``dtype`` is the attention tensors' (q, K/V) dtype, ``index_dtype`` (default ``dtype``) that of
     ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
+    ``score_bytes`` bounds the float32 score block of one row chunk of the selection
+    (:data:`numqsa.selection.SELECT_SCORE_BYTES` by default, see :func:`numqsa.select`).
     """
 
     def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
                  r: int = 4, Kb: int = 512, dtype: Any = "float16", index_dtype: Any = None,
-                 out_dtype: Any = None, scale: Optional[float] = None, max_programs: int = 8) -> None:
+                 out_dtype: Any = None, scale: Optional[float] = None, max_programs: int = 8,
+                 score_bytes: Optional[int] = None) -> None:
         self.Hi = check_geometry_int(Hi, "Hi")
         self.Di = check_geometry_int(Di, "Di")
         self.Hq = check_geometry_int(Hq, "Hq")
@@ -85,6 +89,8 @@ class QSAPrefillWrapper:
         self.scale = 1.0 / np.sqrt(self.D) if scale is None else float(scale)
         self.width = self.Kb * self.r + self.r - 1
         self.max_programs = int(max_programs)
+        self.score_bytes = None if score_bytes is None else check_geometry_int(score_bytes,
+                                                                               "score_bytes")
         self._ws = _Buffers()
         self._programs = OrderedDict()
         self._streams = {}
@@ -110,30 +116,39 @@ class QSAPrefillWrapper:
         """Take one batch's metadata (spec §1-§2); validate it; keep it on the device as int32.
 
         ``index_block_table`` defaults to ``block_table`` (index pages shared with the main pages,
-        ``R = page_size // r`` rows each). ``num_groups`` is the score width (default
-        ``max(seq_lens) // r``; when ``seq_lens`` stays on the device and is not validated, the
-        index table's capacity ``cols * R``). ``validate``: True reads device-resident metadata back
-        once (one synchronisation) to check page ids and lengths; None checks host metadata only
-        (device tables are then guarded by the kernels: a row needing a bad page id is inert);
-        False checks nothing but shapes and dtypes. Host metadata are copied into buffers the
-        wrapper keeps, device int32 metadata are used in place (keep them alive and unchanged until
-        the last run of this plan), device int64 metadata are converted on the device. Copies and
-        conversions go on ``stream`` (default: the current stream of ``req_ids``' framework); run the
-        layers on the same stream.
+        ``R = page_size // r`` rows each). ``positions`` may be None for a plan that only runs
+        :meth:`run_attention` (attention reads no positions); ``run`` and ``run_select`` then
+        refuse. ``num_groups`` is the score width (default ``max(seq_lens) // r``; when
+        ``seq_lens`` stays on the device and is not read back, the index table's capacity
+        ``cols * R``). ``validate``: True reads device-resident metadata back once (one
+        synchronisation) to check page ids and lengths; None checks host metadata only (device
+        tables are then guarded by the kernels: a row needing a bad page id is inert); False checks
+        nothing but shapes and dtypes. Host metadata are copied into buffers the wrapper keeps,
+        device int32 metadata are used in place (keep them alive and unchanged until the last run
+        of this plan), device int64 metadata are converted on the device into kept buffers. Copies
+        and conversions go on ``stream`` (default: the current stream of ``req_ids``' framework);
+        run the layers on the same stream.
         """
-        given = {"req_ids": req_ids, "positions": positions, "seq_lens": seq_lens,
-                 "block_table": block_table,
-                 "index_block_table": block_table if index_block_table is None else index_block_table}
-        kinds = {n: dev.array_kind(x, n) for n, x in given.items()}
-        rows, num_reqs = V.check_batch(req_ids, positions, seq_lens)
-        for n in ("block_table", "index_block_table"):
-            V._rank(given[n], n, 2, "[num_reqs, cols]")
-            V._dtype(given[n], n, V.INT_DTYPES)
-        host = {}
-        for n, x in given.items():
-            if kinds[n] == "numpy":
-                dev.host_int32(x, n)                            # int32 range (before any copy)
-                host[n] = np.asarray(x).astype(np.int64, copy=False)
+        attention_only = positions is None
+        shared = index_block_table is None
+        given = (("req_ids", req_ids), ("positions", req_ids if attention_only else positions),
+                 ("seq_lens", seq_lens), ("block_table", block_table),
+                 ("index_block_table", block_table if shared else index_block_table))
+        kinds = [dev.array_kind(x, n) for n, x in given]
+        rows, num_reqs = V.check_batch(given[0][1], given[1][1], seq_lens)
+        for n, x in given[3:]:
+            V._rank(x, n, 2, "[num_reqs, cols]")
+            V._dtype(x, n, V.INT_DTYPES)
+        # an alias (positions of an attention-only plan, a shared index table) is copied once
+        alias = {"positions": "req_ids" if attention_only else None,
+                 "index_block_table": "block_table" if shared else None}
+        host, host32 = {}, {}
+        for (n, x), kind in zip(given, kinds):
+            if alias.get(n):
+                if alias[n] in host:
+                    host[n] = host[alias[n]]
+            elif kind == "numpy":
+                host[n] = host32[n] = dev.host_int32(x, n)      # int32 range (before any copy)
             elif validate:
                 host[n] = V.host_ints(x)
         for n in ("block_table", "index_block_table"):
@@ -152,28 +167,50 @@ class QSAPrefillWrapper:
                     f"num_groups = {num_groups} is below the longest request's {need} groups "
                     f"(request {q}, seq_len {int(host['seq_lens'][q])}, r = {self.r}); pass "
                     f"num_groups >= max(seq_lens) // r or leave it out")
-        stream_h = (dev.current_stream_handle(kinds["req_ids"], req_ids) if stream is None
+        stream_h = (dev.current_stream_handle(kinds[0], req_ids) if stream is None
                     else dev.stream_handle(stream))
         nstream = self._numba_stream(stream_h)
         arrays = {}
-        for n, x in given.items():
-            if n == "index_block_table" and index_block_table is None:
-                arrays[n] = arrays["block_table"]
-            elif kinds[n] == "numpy":
-                arrays[n] = self._ws.put(f"meta.{n}", dev.host_int32(x, n), nstream)
+        for (n, x), kind in zip(given, kinds):
+            if alias.get(n):
+                arrays[n] = arrays[alias[n]]
+            elif kind == "numpy":
+                arrays[n] = (self._ws.put(f"meta.{n}", host32[n], nstream), "numba")
             else:
-                arrays[n] = dev.ints(x, nstream, n)
+                arrays[n] = self._device_ints(x, kind, n, nstream)
         self._rows, self._num_reqs = int(rows), int(num_reqs)
         self._groups = num_groups if num_groups is not None else need
         self._host = host
         self._validate = validate
-        self._meta = [arrays[n] for n in META]
-        described = [dev.describe(a, "numba") for a in self._meta]
+        self._attention_only = attention_only
+        # the caller's own arrays (numba views are made only to record or replay slowly)
+        self._meta_objs = [arrays[n] for n in META]
+        self._meta_views = None
+        described = [dev.describe(a, k) for a, k in self._meta_objs]
         self._meta_ptrs = [p for p, _ in described]
         self._meta_key = tuple(k for _, k in described)
         self._checked = set()
         self._planned = True
         return self
+
+    def _device_ints(self, x, kind, name, nstream):
+        """``(array, kind)``: device int32 metadata as it is; int64 converted (saturated) on the
+        device into a kept buffer."""
+        if kind in ("torch", "cupy", "numba") and V.dtype_name(x) == "int32":
+            return x, kind
+        d = dev.as_numba(x, name)
+        if V.dtype_name(d) == "int32":
+            return d, "numba"
+        from .kernels.convert import launch_saturate_int32
+        buf = self._ws.buffer(f"meta.{name}", d.shape, np.int32, nstream)
+        return launch_saturate_int32(d, buf, nstream), "numba"
+
+    @property
+    def _meta(self):
+        """The plan's metadata as numba device arrays, in ``META`` order (made on first use)."""
+        if self._meta_views is None:
+            self._meta_views = [a if k == "numba" else dev.as_numba(a) for a, k in self._meta_objs]
+        return self._meta_views
 
     # -------------------------------------------------------------------------------- run
     def run(self, qi: Any, index_cache: Any, q: Any, k_cache: Any, v_cache: Any, *,
@@ -196,11 +233,30 @@ class QSAPrefillWrapper:
         return res if return_selection else res[:2]
 
     def run_select(self, qi: Any, index_cache: Any, *, out: Optional[Sequence[Any]] = None,
-                   stream: Any = None) -> tuple:
-        """``(tokens, counts, groups)`` of one layer (:func:`numqsa.select` semantics)."""
+                   stream: Any = None, scores: Any = None) -> tuple:
+        """``(tokens, counts, groups)`` of one layer (:func:`numqsa.select` semantics).
+
+        ``scores`` (optional): a contiguous float32 device array of at least ``chunk * G`` elements
+        (:meth:`score_elements`) that holds the score block instead of a buffer the wrapper keeps.
+        """
         specs = [("tokens", (self._rows, self.width), "int32"), ("counts", (self._rows,), "int32"),
                  ("groups", (self._rows, self.Kb), "int32")]
-        return self._execute("select", [("qi", qi), ("index_cache", index_cache)], specs, out, stream)
+        inputs = [("qi", qi), ("index_cache", index_cache)]
+        if scores is not None:
+            inputs.append(("scores", scores))
+        return self._execute("select", inputs, specs, out, stream)
+
+    def score_elements(self, index_cache: Any) -> int:
+        """Float32 elements of the selection's score block for this plan and index cache layout."""
+        from .selection import select_chunk_rows
+        G = self._score_groups(index_cache)
+        return select_chunk_rows(self._rows, G, self.score_bytes) * max(G, 1)
+
+    def _score_groups(self, index_cache):
+        if self._groups is not None:
+            return self._groups
+        # device seq_lens, not read: the index table's capacity
+        return int(self._meta_objs[4][0].shape[1]) * int(index_cache.shape[1])
 
     def run_attention(self, q: Any, k_cache: Any, v_cache: Any, tokens: Any, counts: Any, *,
                       out: Optional[Sequence[Any]] = None, stream: Any = None) -> tuple:
@@ -220,6 +276,9 @@ class QSAPrefillWrapper:
     def _execute(self, mode, inputs, specs, out, stream):
         if not self._planned:
             raise V.QSAInputError("call plan(...) with the batch metadata before run(...)")
+        if self._attention_only and mode != "attention":
+            raise V.QSAInputError("this plan has no positions (plan(req_ids, None, ...)): it runs "
+                                  "run_attention only; plan with positions to select")
         lead_name, lead = inputs[0]
         lead_kind = dev.array_kind(lead, lead_name)
         handle = (dev.current_stream_handle(lead_kind, lead) if stream is None
@@ -257,7 +316,7 @@ class QSAPrefillWrapper:
             if out is not None:
                 b = out[i]
                 okind = dev.array_kind(b, f"out[{i}] ({name})")
-                want = np.dtype(dt).name
+                want = dt                   # specs hold dtype names
                 if tuple(b.shape) != tuple(shape) or V.dtype_name(b) != want:
                     raise V.QSAInputError(
                         f"out[{i}] ({name}) must be {want} {tuple(shape)}, got {V.dtype_name(b)} "
@@ -312,12 +371,12 @@ class QSAPrefillWrapper:
 
     def _prepare(self, mode, inputs, arrays, kinds, outs):
         """Check one layout against the geometry and the plan, then record its launches."""
-        from .attention import sparse_attention
-        from .selection import select, select_chunk_rows
+        from .attention import attention_launch
+        from .selection import select_chunk_rows, select_launch
         named = dict(inputs)
         dev_arrays = {}
         for (name, x), a, kind in zip(inputs, arrays, kinds):
-            if name not in ("tokens", "counts"):
+            if name not in ("tokens", "counts", "scores"):
                 _kernel_dtype(x, name, "numpy" if isinstance(x, np.ndarray) else kind)
             dev_arrays[name] = a if kind == "numba" else dev.as_numba(a, name)
         rows = self._rows
@@ -345,9 +404,7 @@ class QSAPrefillWrapper:
                 raise V.QSAInputError(f"qi has Hi = {hi} heads; this wrapper was built for Hi = "
                                       f"{self.Hi}")
             self._check_table("index_block_table", n_ipages, R, self.r)
-            G = self._groups
-            if G is None:                # device seq_lens, not read: the index table's capacity
-                G = int(ibt.shape[1]) * int(R)
+            G = self._score_groups(ic)
         if mode == "attention":
             V.check_selection(dev_arrays["tokens"], dev_arrays["counts"], rows, self.r)
         out_arrays = [b if k == "numba" else dev.as_numba(b) for b, k in outs]
@@ -362,15 +419,19 @@ class QSAPrefillWrapper:
                     sel = tuple(self._ws.buffer(f"sel.{n}", s, "int32", None) for n, s in
                                 (("tokens", (rows, self.width)), ("counts", (rows,)),
                                  ("groups", (rows, self.Kb))))
-                chunk = select_chunk_rows(rows, G)
-                scores = self._ws.buffer("scores", (max(1, chunk * max(G, 1)),), "float32", None)
-                tokens, counts, _ = select(dev_arrays["qi"], ic, ibt, req, pos, lens, Kb=self.Kb,
-                                           r=self.r, out=sel, workspace=scores, num_groups=G,
-                                           validate=False)
+                chunk = select_chunk_rows(rows, G, self.score_bytes)
+                scores = dev_arrays.get("scores")
+                if scores is None:
+                    scores = self._ws.buffer("scores", (max(1, chunk * max(G, 1)),), "float32",
+                                             None)
+                tokens, counts, _ = select_launch(dev_arrays["qi"], ic, ibt, req, pos, lens,
+                                                  Kb=self.Kb, r=self.r, out=sel, workspace=scores,
+                                                  num_groups=G, score_bytes=self.score_bytes,
+                                                  validate=False)
             else:
                 tokens, counts = dev_arrays["tokens"], dev_arrays["counts"]
             if mode in ("prefill", "attention"):
-                sparse_attention(dev_arrays["q"], kc, vc, bt, tokens, counts, req, lens,
+                attention_launch(dev_arrays["q"], kc, vc, bt, tokens, counts, req, lens,
                                  scale=self.scale, r=self.r, out_dtype=self.out_dtype,
                                  out=(out_arrays[0], out_arrays[1]), workspace=self._ws,
                                  validate=False)
@@ -414,6 +475,40 @@ class QSAPrefillWrapper:
         return len(self._programs)
 
 
+#: Environment switches that change a route (numqsa/plan.py): part of a cached wrapper's key, so a
+#: functional call after a change records its launches again instead of replaying the old route.
+ROUTE_ENV = ("NUMQSA_ARCH", "NUMQSA_PAGE4", "NUMQSA_INDEXER_TILED")
+MAX_CACHED = 32
+_CACHE = {}
+
+
+def cached_wrapper(mode, handle, workspace=None, **geometry):
+    """The wrapper a functional call (``qsa_prefill``, ``select``, ``sparse_attention``) plans and
+    runs on: one per call kind, geometry, stream, thread and routing environment, kept in the
+    caller's :class:`numqsa.Workspace` or module-wide (at most ``MAX_CACHED`` of either)."""
+    env = os.environ
+    key = (mode, tuple(geometry.values()), handle, threading.get_ident(),
+           tuple(env.get(n) for n in ROUTE_ENV))
+    store = _CACHE if workspace is None else workspace._wrappers
+    w = store.get(key)
+    if w is None:
+        if len(store) >= MAX_CACHED:
+            store.clear()
+        w = store[key] = QSAPrefillWrapper(**geometry)
+    return w
+
+
+def fill_out(out, names, fresh):
+    """``out`` as a full tuple of ``len(names)`` buffers, ``None`` entries replaced by ``fresh(i)``."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise V.QSAInputError(f"out must be a tuple ({', '.join(names)}), got "
+                              f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(
+                                  out, (tuple, list)) else ""))
+    if all(b is not None for b in out):
+        return tuple(out)
+    return tuple(fresh(i) if b is None else b for i, b in enumerate(out))
+
+
 class _Buffers:
     """Device buffers kept by name, reallocated only when the shape or dtype changes."""
 
@@ -431,7 +526,8 @@ class _Buffers:
     def put(self, name, host, stream):
         """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""
         buf = self.buffer(name, host.shape, host.dtype, stream)
-        buf.copy_to_device(host, stream=stream or 0)
+        if host.size:               # (the simulator refuses empty copies of unequal strides)
+            buf.copy_to_device(host, stream=stream or 0)
         return buf
 
     @property

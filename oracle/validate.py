@@ -22,13 +22,24 @@ class QSAInputError(ValueError):
     """A QSA input violates the contract of ``docs/contract.md``."""
 
 
+_DTYPE_NAMES = {}
+
+
 def dtype_name(x):
     """``'float16'`` etc. for NumPy/numba arrays and torch/CuPy tensors alike."""
     dt = getattr(x, "dtype", None)
     if dt is None:
         raise QSAInputError(f"expected an array, got {type(x).__name__}")
-    name = getattr(dt, "name", None) or str(dt)
-    return name.replace("torch.", "")
+    try:
+        return _DTYPE_NAMES[dt]          # NumPy's dtype.name is slow: every API call asks often
+    except (KeyError, TypeError):
+        pass
+    name = (getattr(dt, "name", None) or str(dt)).replace("torch.", "")
+    try:
+        _DTYPE_NAMES[dt] = name
+    except TypeError:                    # an unhashable dtype object
+        pass
+    return name
 
 
 def host_ints(x):

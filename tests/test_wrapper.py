@@ -130,3 +130,116 @@ def test_plan_required_and_geometry_checked(seed):
     with pytest.raises(numqsa.QSAInputError, match="Hq = 8"):
         w.run(p["qi"], p["index_cache"], np.concatenate([p["q"], p["q"]], 1), p["k_cache"],
               p["v_cache"])
+
+
+# -- the functional calls as thin layers over the wrapper (issue 10) ----------------------------
+
+SEL = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
+
+
+def _device(p):
+    return {k: cuda.to_device(np.ascontiguousarray(v)) for k, v in p.items()
+            if isinstance(v, np.ndarray)}
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    """Device-to-host copies made while the flag is up (a read-back is a wait for the GPU)."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    reads, real = [], FakeCUDAArray.copy_to_host
+    state = {"on": False}
+
+    def copy_to_host(self, *a, **k):
+        if state["on"]:
+            reads.append(self.shape)
+        return real(self, *a, **k)
+    monkeypatch.setattr(FakeCUDAArray, "copy_to_host", copy_to_host)
+
+    class Guard:
+        def __enter__(self):
+            state["on"] = True
+            return reads
+
+        def __exit__(self, *exc):
+            state["on"] = False
+    return Guard
+
+
+def test_functional_calls_read_no_device_array_back(seed, no_reads):
+    """Default validate=None: select, sparse_attention and the stage functions on device arrays
+    never copy a device array to the host; validate=True does (once per metadata array)."""
+    p = problem(seed)
+    d = _device(p)
+    sel = [d[k] for k in SEL]
+    batch = [d[k] for k in ("req_ids", "positions", "seq_lens")]
+    with no_reads() as reads:
+        tokens, counts, groups = numqsa.select(*sel, Kb=5)
+        out, lse = numqsa.sparse_attention(d["q"], d["k_cache"], d["v_cache"], d["block_table"],
+                                           tokens, counts, d["req_ids"], d["seq_lens"])
+        scores = numqsa.index_scores(*sel)
+        g2 = numqsa.topk_groups(scores, *batch, Kb=5)
+        numqsa.expand_tokens(g2, *batch)
+        numqsa.qsa_prefill(*[d[k] for k in ("qi", "index_cache", "index_block_table", "q",
+                                            "k_cache", "v_cache", "block_table", "req_ids",
+                                            "positions", "seq_lens")], Kb=5)
+    assert reads == [], f"read back {reads}"
+    # the capacity-wide scores: the extra columns are -inf, the rest the oracle's
+    G = 70 // 4
+    s = scores.copy_to_host()
+    assert s.shape == (5, p["index_block_table"].shape[1] * p["index_cache"].shape[1])
+    assert np.isneginf(s[:, G:]).all()
+    np.testing.assert_array_equal(g2.copy_to_host(), groups.copy_to_host())
+    check(p, out.copy_to_host(), lse.copy_to_host(), tokens.copy_to_host(), counts.copy_to_host(),
+          Kb=5)
+    with no_reads() as reads:
+        numqsa.select(*sel, Kb=5, validate=True)
+    assert reads, "validate=True reads the device metadata back"
+
+
+def test_functional_bad_device_page_is_inert_unless_validated(seed):
+    p = problem(seed)
+    tokens, counts, _ = numqsa.select(*[p[k] for k in SEL], Kb=5)
+    bad = p["block_table"].copy()
+    bad[1, 0] = 10_000                               # request 1's first page
+    d = _device(p)
+    args = [d["q"], d["k_cache"], d["v_cache"], cuda.to_device(bad), cuda.to_device(tokens),
+            cuda.to_device(counts), d["req_ids"], d["seq_lens"]]
+    out, lse = (x.copy_to_host() for x in numqsa.sparse_attention(*args))
+    assert not out[2].any() and np.isneginf(lse[2]).all(), "row 2 (request 1) is inert"
+    with pytest.raises(numqsa.QSAInputError, match=r"block_table\[1, 0\] = 10000"):
+        numqsa.sparse_attention(*args, validate=True)
+    with pytest.raises(numqsa.QSAInputError, match=r"block_table\[1, 0\] = 10000"):
+        numqsa.sparse_attention(*[p["q"], p["k_cache"], p["v_cache"], bad, tokens, counts,
+                                  p["req_ids"], p["seq_lens"]])
+
+
+def test_functional_repeated_calls_replay_one_program(seed, monkeypatch):
+    """Two layers' arrays through select (caller's score workspace and out=) and sparse_attention
+    (a Workspace): one prepared program each, re-pointed, each layer its own result."""
+    from numqsa import wrapper as W
+    monkeypatch.setattr(W, "_CACHE", {})
+    p1, p2 = problem(seed), problem(seed + 1)
+    for k in ("req_ids", "positions", "seq_lens", "block_table", "index_block_table"):
+        p2[k] = p1[k]
+    meta_d = _device({k: p1[k] for k in ("req_ids", "positions", "seq_lens", "block_table",
+                                         "index_block_table")})
+    ws = numqsa.Workspace()
+    results = []
+    for p in (p1, p2):
+        d = {**_device(p), **meta_d}
+        score_ws = cuda.device_array(5 * 20, np.float32)
+        out = (cuda.device_array((5, 23), np.int32), cuda.device_array(5, np.int32),
+               cuda.device_array((5, 5), np.int32))
+        got = numqsa.select(*[d[k] for k in SEL], Kb=5, out=out, workspace=score_ws, num_groups=20,
+                            validate=False)
+        assert got[0] is out[0]
+        o, lse = numqsa.sparse_attention(d["q"], d["k_cache"], d["v_cache"], d["block_table"],
+                                         out[0], out[1], d["req_ids"], d["seq_lens"], workspace=ws)
+        results.append([x.copy_to_host() for x in (o, lse, out[0], out[1])])
+    assert [w.num_programs for w in W._CACHE.values()] == [1]
+    assert [w.num_programs for w in ws._wrappers.values()] == [1]
+    for p, res in zip((p1, p2), results):
+        check(p, *res, Kb=5)
+    with pytest.raises(numqsa.QSAInputError, match="workspace must be float32 with >= 100"):
+        numqsa.select(*[p1[k] for k in SEL], Kb=5, num_groups=20,
+                      workspace=cuda.device_array(99, np.float32))

@@ -93,3 +93,39 @@ def test_gpu_graph_replay_bitwise(seed):
     torch.cuda.synchronize()
     for a, b in zip(eager, replayed):
         np.testing.assert_array_equal(a.cpu().numpy(), b)
+
+
+def test_gpu_functional_calls_do_not_wait_and_stay_native(seed):
+    """Default arguments, torch in: select, sparse_attention, qsa_prefill and the stage functions
+    return torch tensors, leave a busy GPU busy (no read-back, no synchronising free), and give
+    NumPy's results bitwise."""
+    torch = pytest.importorskip("torch")
+    p = gpu_problem(seed, rows=256)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in p.items()
+         if isinstance(v, np.ndarray)}
+    sel = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
+    batch = ("req_ids", "positions", "seq_lens")
+    full = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
+            "req_ids", "positions", "seq_lens")
+
+    def calls(a):
+        tokens, counts, groups = numqsa.select(*[a[k] for k in sel])
+        out, lse = numqsa.sparse_attention(a["q"], a["k_cache"], a["v_cache"], a["block_table"],
+                                           tokens, counts, a["req_ids"], a["seq_lens"])
+        scores = numqsa.index_scores(*[a[k] for k in sel])
+        g = numqsa.topk_groups(scores, *[a[k] for k in batch])
+        t2, c2 = numqsa.expand_tokens(g, *[a[k] for k in batch])
+        pre = numqsa.qsa_prefill(*[a[k] for k in full])
+        return [tokens, counts, groups, out, lse, g, t2, c2, *pre]
+
+    want = calls(p)
+    calls(t)                                     # compile and prepare
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))                  # ~1 s of GPU work ahead of the calls
+    for _ in range(20):                          # enough fresh outputs to flush deferred frees
+        got = calls(t)
+    assert torch.cuda.current_stream().query() is False, "a call waited for the GPU"
+    torch.cuda.synchronize()
+    assert all(isinstance(x, torch.Tensor) for x in got), [type(x).__name__ for x in got]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b.cpu().numpy())

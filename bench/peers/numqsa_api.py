@@ -2,13 +2,16 @@
 
 End-to-end and host lines call the public functions as a user does: ``index_scores``,
 ``topk_groups``, ``expand_tokens``, ``select``, ``sparse_attention``, ``qsa_prefill`` with default
-arguments, on the problem's torch tensors (used in place, no copies). GPU-only times use the
-repeated-call arguments (``out=``, ``workspace=``, ``num_groups=``, ``validate=False``), which
-never synchronise; ``index_scores``/``topk_groups``/``expand_tokens`` have no such arguments (they
-read ``seq_lens``/positions back to check them), so their GPU-only time is that of the kernel
+arguments, on the problem's torch tensors (used in place, no copies); by default
+(``validate=None``) none of them reads a device array back, so none waits for the GPU (``select``,
+``sparse_attention`` and ``qsa_prefill`` plan and run a cached ``QSAPrefillWrapper``). GPU-only
+times of the fused calls use the repeated-call arguments (``out=``, ``workspace=``,
+``num_groups=``, ``validate=False``), which also allocate nothing; those of
+``index_scores``/``topk_groups``/``expand_tokens`` (which allocate their outputs) are the kernel
 launcher they call (``numqsa.selection._launch_scores``, ``numqsa.kernels.topk.launch_topk``,
 ``numqsa.kernels.expand.launch_expand``). Attention gives one row for the planned route
-(``numqsa``, its route recorded) and one per other route (``numqsa.<route>``, ``route_name=``).
+(``numqsa``, its route recorded) and one per other route (``numqsa.<route>``, ``route_name=``,
+which runs the direct launcher ``numqsa.attention.attention_launch``).
 """
 import numpy as np
 
