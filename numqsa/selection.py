@@ -49,7 +49,10 @@ def _emulate_f16(emulate_dtype):
         return False          # rounding a float32 mean to float32 changes nothing
     if name == "float16":
         return True
-    raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
+    if name == "bfloat16":
+        return "bfloat16"
+    raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, bfloat16, float32 or "
+                          f"None)")
 
 
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
@@ -156,7 +159,7 @@ def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
     rows, groups = scores.shape
     plan = plan_select(rows, groups, dev.device_cc())
     route = route or plan.scores_route
-    if route == "tiled" and _scores.tiled_supported(qi, ic):
+    if route == "tiled" and _scores.tiled_supported(qi, ic, plan.profile):
         _scores.launch_tiled(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)
         return "tiled"
     _scores.launch_light(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)
