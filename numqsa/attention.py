@@ -39,7 +39,7 @@ def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
 
 
 def _out_dtype(out_dtype, qd):
-    name = qd if out_dtype is None else np.dtype(out_dtype).name
+    name = qd if out_dtype is None else dev.np_dtype(out_dtype).name
     if name not in dev.KERNEL_FLOATS:
         raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
     return name
