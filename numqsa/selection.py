@@ -44,7 +44,7 @@ def _rope_positions(rope_positions, n, stream, name):
 def _emulate_f16(emulate_dtype):
     if emulate_dtype is None:
         return False
-    name = np.dtype(emulate_dtype).name
+    name = dev.np_dtype(emulate_dtype).name
     if name == "float32":
         return False          # rounding a float32 mean to float32 changes nothing
     if name == "float16":
