@@ -472,3 +472,53 @@ def test_gpu_pre_indexer_bf16(seed):
     got = _host(got)
     assert_matches_oracle(got, oracle.index_queries(q_raw, w, req, pos, lens), dtype="bfloat16",
                           what="qi")
+
+
+@pytest.mark.gpu
+def test_gpu_wrapper_bf16_torch_zero_copy_prepared_graph(seed, monkeypatch):
+    """torch bfloat16 in, torch bfloat16 out, bitwise equal to numba bfloat16 device arrays in;
+    the prepared cuLaunchKernel path is taken and equals the dispatcher's; a CUDA-graph replay
+    with new inputs equals an eager run."""
+    torch = _torch()
+    rows = 1024
+    p = make_problem([8192], [rows], page_size=64, dtype=BF16, seed=seed)
+    p2 = make_problem([8192], [rows], page_size=64, dtype=BF16, seed=seed + 1)
+    meta = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
+    layer = ("qi", "index_cache", "q", "k_cache", "v_cache")
+
+    def wrapper():
+        return numqsa.QSAPrefillWrapper(Hi=4, Di=128, Hq=6, Hkv=1, D=256, r=4, Kb=512,
+                                        dtype="bfloat16")
+    want = [_host(x) for x in wrapper().plan(*[cuda.to_device(p[k]) for k in meta]).run(
+        *[cuda.to_device(p[k]) for k in layer], return_selection=True)]
+    tm, tl = [_to_torch(torch, p[k]) for k in meta], [_to_torch(torch, p[k]) for k in layer]
+    w = wrapper().plan(*tm)
+    got = w.run(*tl, return_selection=True)
+    assert got[0].dtype == torch.bfloat16 and all(x.is_cuda for x in got)
+    assert next(iter(w._programs.values())).fast
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), _host(b).view(np.uint8))
+    monkeypatch.setenv("NUMQSA_PREPARED_LAUNCH", "0")
+    slow = wrapper().plan(*tm).run(*tl, return_selection=True)
+    for a, b in zip(want, slow):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), _host(b).view(np.uint8))
+    monkeypatch.delenv("NUMQSA_PREPARED_LAUNCH")
+    s = torch.cuda.Stream()
+    o = torch.empty(rows, 6, 256, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(rows, 6, dtype=torch.float32, device="cuda")
+    wg = wrapper()
+    with torch.cuda.stream(s):
+        wg.plan(*tm, stream=s)
+        wg.run(*tl, out=(o, lse), stream=s)
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        wg.run(*tl, out=(o, lse), stream=s)
+    for name in ("qi", "q"):
+        tl[layer.index(name)].copy_(_to_torch(torch, p2[name]))
+    g.replay()
+    torch.cuda.synchronize()
+    eager = wrapper().plan(*tm).run(*tl)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(_host(o).view(np.uint16), _host(eager[0]).view(np.uint16))
+    np.testing.assert_array_equal(_host(lse), _host(eager[1]))
