@@ -103,8 +103,8 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
         except TypeError:
             raise V.QSAInputError(f"out_dtype {out_dtype!r} is not a dtype") from None
     geometry = dict(Hi=int(qi.shape[1]), Di=int(qi.shape[2]), Hq=int(q.shape[1]),
-                    Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=_kd(qd),
-                    index_dtype=_kd(qid), out_dtype=_kd(out_dtype or qd), scale=scale)
+                    Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=qd,
+                    index_dtype=qid, out_dtype=out_dtype or qd, scale=scale)
     ks = tuple(k_cache.shape)
     if geometry["Hq"] % ks[2] and not geometry["Hq"] % ks[1] and ks[3] == geometry["D"]:
         raise V.QSAInputError(
@@ -136,11 +136,6 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
         result = tuple(dev.host_like(x, True, s) if not isinstance(x, np.ndarray) else x
                        for x in result)
     return result
-
-
-def _kd(name):
-    """dtype names as the wrapper takes them (its own checks give the messages)."""
-    return name
 
 
 def _fresh_selection(w, kind, like, workspace, key):
