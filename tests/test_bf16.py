@@ -15,7 +15,6 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import selection as sel
-from numqsa.jit import SIMULATOR
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
 from oracle.problems import make_problem
 from test_attention_kernels import selection, small_problem
@@ -356,7 +355,8 @@ def _host(x):
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
     if str(x.dtype) == "torch.bfloat16":
-        return x.view(__import__("torch").int16).cpu().numpy().view(BF16)
+        import torch
+        return x.view(torch.int16).cpu().numpy().view(BF16)
     return x.cpu().numpy()
 
 
