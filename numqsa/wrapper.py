@@ -64,6 +64,8 @@ class QSAPrefillWrapper:
 
     ``dtype`` is the attention tensors' (q, K/V) dtype, ``index_dtype`` (default ``dtype``) that of
     ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
+    Dtypes: ``"float16"``, ``"bfloat16"`` (torch.bfloat16 / ml_dtypes.bfloat16 arrays; tensor cores
+    on sm_80+, the FMA routes on sm_70) or ``"float32"``.
     """
 
     def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
