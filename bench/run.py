@@ -180,7 +180,7 @@ def run_one(mod, stage, prob, checker, timer, route=None, smoke=False):
         return rec, None
     except Exception as err:
         if type(err).__name__ == "QSAInputError" and "dtype" in str(err):
-            rec["skipped"] = "refuses the input dtype: " + short(err)   # e.g. bfloat16 today
+            rec["skipped"] = "refuses the input dtype: " + short(err)
             return rec, None
         rec["error"] = short(err)
         if os.environ.get("BENCH_TRACE"):

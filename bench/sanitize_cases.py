@@ -3,7 +3,8 @@
 Two cases per kernel: ``small`` (one request of 70 tokens, 3 rows, page size 16) and ``boundary``
 (page size 784, two requests, rows with every tail length 0-3, a stale row, inert rows, a separate
 index table with non-monotonic pages), the attention routes at every production head geometry
-(Hq/Hkv 3/1, 6/1, 12/1, 24/2 at D 256). Every result is compared with the oracle, so a silent wrong
+(Hq/Hkv 3/1, 6/1, 12/1, 24/2 at D 256), and the bfloat16 variants (pre-indexer, scores, attention:
+tensor cores on sm_90, the FMA routes on sm_70). Every result is compared with the oracle, so a silent wrong
 answer fails here too. Outputs are NaN-poisoned device buffers (initcheck then sees every read of
 them as initialised: a kernel reading an output it did not write would still fail the comparison).
 
@@ -32,6 +33,12 @@ from numqsa.kernels import topk as k_topk  # noqa: E402
 from numqsa.plan import arch_profile  # noqa: E402
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison  # noqa: E402
 from oracle.problems import make_problem  # noqa: E402
+
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:                  # no bfloat16 cases without ml_dtypes
+    BF16 = None
 
 R = 4
 GEOMETRIES = [(3, 1), (6, 1), (12, 1), (24, 2)]
@@ -162,8 +169,70 @@ def run(arch, routes, quick, seed=7):
                                               tok_h, cnt_h, pa["req_ids"], pa["seq_lens"])
             assert_matches_oracle(o.copy_to_host(), eo32, dtype="float32", what="generic float32")
             ok(f"{name} attention generic float32 {hq}/{hkv}")
+            if BF16 is not None:
+                bf_attention(arch, pa, tokens, counts, tok_h, cnt_h, da, routes, ok,
+                             f"{name} attention bf16 {hq}/{hkv}")
+        if BF16 is not None:
+            bf_selection(arch, prof, p, s, ok, name)
     cuda.synchronize()
     return n
+
+
+def bf_selection(arch, prof, p, s, ok, name):
+    """bfloat16 pre-indexer (mean rounded to bfloat16, stored in a bfloat16 cache) and scores."""
+    pb = {k: (v.astype(BF16) if v.dtype == np.float16 else v) for k, v in p.items()}
+    batch = [pb[k] for k in BATCH[3:]]
+    d = dev(pb, *BATCH)
+    rng = np.random.default_rng(s + 99)
+    k_raw = rng.standard_normal((5, R, 128)).astype(BF16)
+    w = (0.1 * rng.standard_normal(128)).astype(BF16)
+    reqs, eids = np.zeros(5, np.int32), np.array([0, 1, 7, 3, 12], np.int32)
+    ic_o = pb["index_cache"].copy()
+    d_ic = cuda.to_device(pb["index_cache"])
+    kc = sel.index_keys(cuda.to_device(k_raw), cuda.to_device(w), cuda.to_device(reqs),
+                        cuda.to_device(eids), d_ic, cuda.to_device(pb["index_block_table"]),
+                        emulate_dtype=BF16, out=poison(cuda.device_array((5, 128), np.float32)))
+    want = oracle.index_keys(k_raw, w, reqs, eids, ic_o, pb["index_block_table"], emulate_dtype=BF16)
+    assert_matches_oracle(kc.copy_to_host(), want, dtype="bfloat16", what="bf16 index_keys")
+    assert_matches_oracle(d_ic.copy_to_host(), ic_o, dtype="bfloat16", what="bf16 index cache")
+    ok(f"{name} index_keys bf16")
+    q_raw = rng.standard_normal(pb["qi"].shape).astype(BF16)
+    qi = sel.index_queries(cuda.to_device(q_raw), cuda.to_device(w), *d[3:],
+                           out=poison(cuda.device_array(q_raw.shape, BF16)))
+    assert_matches_oracle(qi.copy_to_host(), oracle.index_queries(q_raw, w, *batch),
+                          dtype="bfloat16", what="bf16 index_queries")
+    ok(f"{name} index_queries bf16")
+    ref_s = oracle.index_scores(*[pb[k] for k in BATCH])
+    variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")]
+                                    if arch == "sm_90" else [])
+    for route, variant in variants:
+        sc = poison(cuda.device_array(ref_s.shape, np.float32))
+        if route == "light":
+            k_scores.launch_light(*d, sc, prof, 0)
+        else:
+            k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
+        assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",
+                              what=f"bf16 {route} {variant} scores")
+        ok(f"{name} index_scores bf16 {route}{'/' + variant if variant else ''}")
+
+
+def bf_attention(arch, pa, tokens, counts, tok_h, cnt_h, da, routes, ok, what):
+    """bfloat16 q/K/V (interleaved cache), bfloat16 out, on every route that takes it here."""
+    q, k, v = (pa[x].astype(BF16) for x in ("q", "k_cache", "v_cache"))
+    eo, el = oracle.sparse_attention(q, k, v, pa["block_table"], tok_h, cnt_h, pa["req_ids"],
+                                     pa["seq_lens"])
+    kv = cuda.to_device(np.stack([k, v], axis=1))
+    dq = cuda.to_device(q)
+    for route in routes:
+        if route != "generic" and arch == "sm_70":
+            continue                  # no bfloat16 tensor cores: bfloat16 is generic there
+        o = poison(cuda.device_array(q.shape, BF16))
+        lse = poison(cuda.device_array(q.shape[:2], np.float32))
+        numqsa.sparse_attention(dq, kv[:, 0], kv[:, 1], da[1], tokens, counts, da[2], da[3],
+                                route_name=route, out=(o, lse))
+        assert_matches_oracle(o.copy_to_host(), eo, dtype="bfloat16", what=f"{what} {route} out")
+        assert_matches_oracle(lse.copy_to_host(), el, dtype="bfloat16", what=f"{what} {route} lse")
+        ok(f"{what} {route}")
 
 
 def main():

@@ -44,16 +44,19 @@ def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
 
 
 def _out_dtype(out_dtype, qd):
-    name = qd if out_dtype is None else np.dtype(out_dtype).name
+    name = qd if out_dtype is None else dev.np_dtype(out_dtype).name
     if name not in dev.KERNEL_FLOATS:
         raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
     return name
 
 
-def _page4_unsupported(qd, kd, d, r):
+def _page4_unsupported(qd, kd, d, r, profile=None):
     """Why the grouped tensor-core kernel cannot take a problem ('' if it can)."""
-    if qd != "float16" or kd != "float16":
-        return f"it multiplies float16 on tensor cores (q {qd}, cache {kd}); float32 goes generic"
+    if qd == kd == "bfloat16" and profile is not None and profile.attention.mma != "m16n8k16":
+        return f"bfloat16 tensor cores need sm_80+ ({profile.name}); bfloat16 goes generic there"
+    if qd != kd or qd not in ("float16", "bfloat16"):
+        return (f"it multiplies float16 or bfloat16 on tensor cores (q {qd}, cache {kd}); other "
+                f"dtypes go generic")
     if d % 32:
         return f"head dim {d} is not a multiple of 32"
     if r != 4:
@@ -74,7 +77,7 @@ def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, s
     the plan came from) lets windows of rows share loads; without it each row is its own window."""
     if _grouped_ok(profile, q, k_cache, v_cache):
         _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
-                                profile, stream, bufs, "f16", "f16" if od == "float16" else "f32")
+                                profile, stream, bufs)
     else:
         keys = None if tokens is None else bufs("page4.keys", tokens.shape, np.int32)
         _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
@@ -160,7 +163,7 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     name = route_name or plan.route
     if name not in ("generic", "page4"):
         raise V.QSAInputError(f"unknown route {name!r}")
-    why = _page4_unsupported(qd, kd, d, r)
+    why = _page4_unsupported(qd, kd, d, r, plan.profile)
     if name == "page4" and why:
         if route_name == "page4":
             raise V.QSAInputError(f"the page-4 route cannot run this problem: {why}")
@@ -168,6 +171,8 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
+    if name == "page4" and qd == "bfloat16" and not _grouped_ok(plan.profile, qd_, kc, vc):
+        name = "generic"       # the m8n8k4 page-4 kernel multiplies float16 only
     tab, tok, cnt, rid, lens = (dev.ints(x, stream) for x in (block_table, tokens, counts, req_ids,
                                                             seq_lens))
     out_buf, lse_buf = (None, None) if out is None else out
@@ -244,7 +249,7 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     ps = V._rank(pages, "pages", 3, "[rows, Kb+1, 2]")
     if ps[0] != rows or ps[2] != 2:
         raise V.QSAInputError(f"pages shape {ps} does not match {rows} rows x (page, slot)")
-    why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r)
+    why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r, route(rows, page_size, r).profile)
     if why:
         raise V.QSAInputError(f"page4_attention: {why}")
     od = _out_dtype(out_dtype, qd)
@@ -253,6 +258,9 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
+    if qd == "bfloat16" and not _grouped_ok(prof, qd_, kc, vc):
+        raise V.QSAInputError("page4_attention: bfloat16 needs the grouped kernel's 16-byte "
+                              "aligned caches with a contiguous D axis")
     pg, nv, tl, rid = (dev.ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
     o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)

@@ -5,6 +5,13 @@ CUDA tensors (anything with ``__cuda_array_interface__``) and DLPack producers (
 ``cuda.core``'s ``StridedMemoryView``) are used in place, strides included. Results come back in the
 caller's framework (:func:`array_kind`, :func:`new_array`): torch in, torch out; CuPy in, CuPy out;
 NumPy in, NumPy out; numba (or DLPack) in, numba out.
+
+bfloat16: NumPy arrays of ``ml_dtypes.bfloat16`` are copied in as they are (16-bit words); a torch
+``bfloat16`` CUDA tensor, whose ``__cuda_array_interface__`` has no bfloat16 type (``<V2``), is
+viewed without a copy as a numba device array of dtype ``ml_dtypes.bfloat16`` (:func:`as_numba`).
+numba never types such an array: the kernel launchers pass its uint16 view
+(:func:`numqsa.kernels.common.bits16`). Results in bfloat16 come back as ``ml_dtypes.bfloat16``
+NumPy arrays, ``torch.bfloat16`` tensors, or numba arrays of dtype ``ml_dtypes.bfloat16``.
 """
 import os
 
@@ -84,6 +91,36 @@ def _kind_of_type(x):
     return None
 
 
+def np_dtype(dtype):
+    """``np.dtype(dtype)``, where ``"bfloat16"`` means ``ml_dtypes.bfloat16`` (imported on demand)."""
+    if (isinstance(dtype, str) and dtype == "bfloat16") or str(dtype) == "torch.bfloat16":
+        return _bf16()
+    return np.dtype(dtype)
+
+
+def _bf16():
+    try:
+        import ml_dtypes
+    except ImportError:
+        from oracle.validate import QSAInputError
+        raise QSAInputError("bfloat16 arrays need the ml_dtypes package (pip install "
+                            "'numqsa[bf16]' or pip install ml_dtypes)") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _torch_bf16_view(x):
+    """A numba bfloat16 array over a torch bfloat16 CUDA tensor (no copy): its bits' interface
+    (read through an int16 view of the same storage), retyped."""
+    import torch
+    bits = x.view(torch.int16)
+    cai = dict(bits.__cuda_array_interface__)
+    cai["typestr"] = "<u2"
+    holder = _CAI.__new__(_CAI)
+    holder.__cuda_array_interface__ = cai
+    holder.owner = x
+    return cuda.as_cuda_array(holder, sync=False).view(_bf16())
+
+
 class _CAI:
     """A ``__cuda_array_interface__`` holder for a DLPack producer seen through StridedMemoryView."""
 
@@ -103,6 +140,8 @@ def as_numba(x, name="array"):
         return x
     if kind == "numpy":
         raise TypeError("as_numba views device memory; copy NumPy arrays with as_device")
+    if kind == "torch" and str(x.dtype) == "torch.bfloat16":
+        return _torch_bf16_view(x)
     if not SIMULATOR and not hasattr(x, "__cuda_array_interface__") and hasattr(x, "__dlpack__"):
         from cuda.core.utils import StridedMemoryView
         x = _CAI(StridedMemoryView(x, stream_ptr=-1), x)
@@ -146,7 +185,7 @@ _TORCH_DTYPES = {}
 
 def new_array(kind, shape, dtype, like, stream):
     """A fresh uninitialised array in the caller's framework (``kind`` of :func:`array_kind`)."""
-    dtype = np.dtype(dtype)
+    dtype = np_dtype(dtype)
     if kind == "torch":
         import torch
         td = _TORCH_DTYPES.get(dtype)
@@ -197,7 +236,7 @@ def host_like(result, was_host, stream):
 
 
 def empty(shape, dtype, stream):
-    return cuda.device_array(shape, dtype=np.dtype(dtype), stream=stream)
+    return cuda.device_array(shape, dtype=np_dtype(dtype), stream=stream)
 
 
 def device_cc():
@@ -207,7 +246,9 @@ def device_cc():
     return tuple(cuda.get_current_device().compute_capability)
 
 
-KERNEL_FLOATS = ("float16", "float32")
+#: Floating dtypes the kernels take. bfloat16: tensor-core routes on sm_80+; on sm_70 (no bfloat16
+#: tensor cores) the FMA routes (generic attention, light scores) compute it, slower but exact.
+KERNEL_FLOATS = ("float16", "bfloat16", "float32")
 
 
 def float_dtype(x, name):
@@ -265,7 +306,7 @@ def out_buffer(out, shape, dtype, stream, name):
     from oracle.validate import QSAInputError, dtype_name
     if out is None:
         return empty(shape, dtype, stream)
-    want = np.dtype(dtype).name
+    want = np_dtype(dtype).name
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
         raise QSAInputError(f"out for {name} must be an array ({want} {tuple(shape)}), got "
                             f"{type(out).__name__}")

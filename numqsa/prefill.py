@@ -49,7 +49,7 @@ class Workspace:
     @property
     def nbytes(self):
         total = sum(w._ws.nbytes for w in self._wrappers.values()) + self._scratch.nbytes
-        return total + sum(int(np.prod(b.shape)) * np.dtype(str(b.dtype).replace("torch.", "")).itemsize
+        return total + sum(int(np.prod(b.shape)) * dev.np_dtype(str(b.dtype).replace("torch.", "")).itemsize
                            for bufs in self._outs.values() for b in bufs)
 
 
@@ -89,12 +89,12 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
     qid = _kernel_dtype(qi, "qi", dev.array_kind(qi, "qi"))
     if out_dtype is not None:
         try:
-            out_dtype = np.dtype(out_dtype).name
+            out_dtype = dev.np_dtype(out_dtype).name
         except TypeError:
             raise V.QSAInputError(f"out_dtype {out_dtype!r} is not a dtype") from None
     geometry = dict(Hi=int(qi.shape[1]), Di=int(qi.shape[2]), Hq=int(q.shape[1]),
-                    Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=_kd(qd),
-                    index_dtype=_kd(qid), out_dtype=_kd(out_dtype or qd), scale=scale)
+                    Hkv=int(k_cache.shape[2]), D=int(q.shape[2]), r=r, Kb=Kb, dtype=qd,
+                    index_dtype=qid, out_dtype=out_dtype or qd, scale=scale)
     ks = tuple(k_cache.shape)
     if geometry["Hq"] % ks[2] and not geometry["Hq"] % ks[1] and ks[3] == geometry["D"]:
         raise V.QSAInputError(
@@ -126,11 +126,6 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
         result = tuple(dev.host_like(x, True, s) if not isinstance(x, np.ndarray) else x
                        for x in result)
     return result
-
-
-def _kd(name):
-    """dtype names as the wrapper takes them (its own checks give the messages)."""
-    return "float32" if name in ("bfloat16",) else name
 
 
 def _fresh_selection(w, kind, like, workspace, key):

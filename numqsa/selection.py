@@ -52,12 +52,15 @@ def _rope_positions(rope_positions, n, stream, name):
 def _emulate_f16(emulate_dtype):
     if emulate_dtype is None:
         return False
-    name = np.dtype(emulate_dtype).name
+    name = dev.np_dtype(emulate_dtype).name
     if name == "float32":
         return False          # rounding a float32 mean to float32 changes nothing
     if name == "float16":
         return True
-    raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, float32 or None)")
+    if name == "bfloat16":
+        return "bfloat16"
+    raise V.QSAInputError(f"emulate_dtype {name} is not supported (float16, bfloat16, float32 or "
+                          f"None)")
 
 
 def _check_key_pages(reqs, eids, tab, ic):
@@ -192,7 +195,7 @@ def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
     rows, groups = scores.shape
     plan = plan_select(rows, groups, dev.device_cc())
     route = route or plan.scores_route
-    if route == "tiled" and _scores.tiled_supported(qi, ic):
+    if route == "tiled" and _scores.tiled_supported(qi, ic, plan.profile):
         _scores.launch_tiled(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)
         return "tiled"
     _scores.launch_light(qi, ic, ibt, req, pos, lens, scores, plan.profile, stream, r=r)

@@ -102,7 +102,7 @@ def assert_selection_matches(groups, tokens, counts, oracle_scores, req_ids, pos
 def poison(x):
     """Fill an output buffer (NumPy or numba device array) with NaN, or INT_POISON for integers."""
     dt = np.dtype(x.dtype)
-    value = np.nan if dt.kind == "f" else INT_POISON
+    value = np.nan if dt.kind == "f" or dt.name == "bfloat16" else INT_POISON
     if isinstance(x, np.ndarray):
         x[...] = value
     else:

@@ -41,18 +41,17 @@ check_geometry_int = V.check_int
 
 
 def _kernel_dtype(x, name, kind):
-    """The kernel dtype of a float input; NumPy bfloat16 (ml_dtypes) runs as float32."""
+    """The kernel dtype of a float input: float16, bfloat16 (ml_dtypes NumPy arrays, torch
+    bfloat16 tensors, numba arrays of dtype ml_dtypes.bfloat16) or float32."""
     dt = V.dtype_name(x)
-    if dt == "bfloat16":
-        if kind == "numpy":
-            return "float32"
+    if dt == "void16":
         raise V.QSAInputError(
-            f"{name} is a CUDA bfloat16 array: the kernels take float16 and float32 for now; "
-            f"convert it ({name}.to(torch.float16)), or pass NumPy bfloat16 (ml_dtypes), which is "
-            f"computed in float32")
+            f"{name} has dtype void16 (a 16-bit type the CUDA array interface cannot name, e.g. "
+            f"bfloat16 seen through __cuda_array_interface__); pass the torch tensor itself, or a "
+            f"numba array viewed as ml_dtypes.bfloat16")
     if dt not in dev.KERNEL_FLOATS:
         raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take "
-                              f"{', '.join(dev.KERNEL_FLOATS)} (and NumPy bfloat16)")
+                              f"{', '.join(dev.KERNEL_FLOATS)}")
     return dt
 
 
@@ -68,6 +67,8 @@ class QSAPrefillWrapper:
     ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
     ``score_bytes`` bounds the float32 score block of one row chunk of the selection
     (:data:`numqsa.selection.SELECT_SCORE_BYTES` by default, see :func:`numqsa.select`).
+    Dtypes: ``"float16"``, ``"bfloat16"`` (torch.bfloat16 / ml_dtypes.bfloat16 arrays; tensor cores
+    on sm_80+, the FMA routes on sm_70) or ``"float32"``.
     """
 
     def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
@@ -100,11 +101,9 @@ class QSAPrefillWrapper:
     @staticmethod
     def _dtype_arg(dtype, name):
         try:
-            dt = np.dtype(dtype).name
+            dt = dev.np_dtype(dtype).name
         except TypeError:
             raise V.QSAInputError(f"{name} {dtype!r} is not a dtype") from None
-        if dt == "bfloat16":
-            dt = "float32"          # NumPy bfloat16 runs as float32; CUDA bfloat16 is refused per array
         if dt not in dev.KERNEL_FLOATS:
             raise V.QSAInputError(f"{name} {dt} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
         return dt
@@ -285,7 +284,6 @@ class QSAPrefillWrapper:
                   else dev.stream_handle(stream))
         nstream = None
         arrays, kinds, ptrs, keys = [], [], [], []
-        bf16_out = False
         for name, x in inputs:
             kind = lead_kind if x is lead else dev.array_kind(x, name)
             if kind == "numpy":
@@ -293,9 +291,6 @@ class QSAPrefillWrapper:
                 h = np.asarray(x)
                 if name in ("tokens", "counts"):
                     h = dev.host_int32(h, name)
-                elif V.dtype_name(h) == "bfloat16":
-                    h = h.astype(np.float32)
-                    bf16_out = bf16_out or name == "q"
                 x = self._ws.put(f"stage.{name}", np.ascontiguousarray(h), nstream)
                 kind = "numba"
             p, k = dev.describe(x, kind)
@@ -316,7 +311,7 @@ class QSAPrefillWrapper:
             if out is not None:
                 b = out[i]
                 okind = dev.array_kind(b, f"out[{i}] ({name})")
-                want = dt                   # specs hold dtype names
+                want = dt if isinstance(dt, str) else dev.np_dtype(dt).name
                 if tuple(b.shape) != tuple(shape) or V.dtype_name(b) != want:
                     raise V.QSAInputError(
                         f"out[{i}] ({name}) must be {want} {tuple(shape)}, got {V.dtype_name(b)} "
@@ -364,9 +359,6 @@ class QSAPrefillWrapper:
                     nstream.synchronize()
                     b[...] = h
             nstream.synchronize()
-            if bf16_out and specs[0][0] == "out" and out is None:
-                import ml_dtypes
-                result[0] = result[0].astype(ml_dtypes.bfloat16)
         return tuple(result)
 
     def _prepare(self, mode, inputs, arrays, kinds, outs):
@@ -516,7 +508,7 @@ class _Buffers:
         self._buffers = {}
 
     def buffer(self, name, shape, dtype, stream):
-        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        shape, dtype = tuple(int(s) for s in shape), dev.np_dtype(dtype)
         buf = self._buffers.get(name)
         if buf is None or tuple(buf.shape) != shape or np.dtype(buf.dtype) != dtype:
             buf = dev.empty(shape, dtype, stream or 0)

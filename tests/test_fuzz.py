@@ -3,8 +3,8 @@
 Each seed draws a geometry: 1-8 requests of mixed lengths up to 131,072 tokens (total capped so the
 host can fill the caches), page size 16 / 64 / 784, the index cache on its own table or the main
 one, random physical page order (non-monotonic tables), rows at random positions plus stale and
-inert rows, ``Kb`` above and below the rows' visible groups, a production head geometry, float16
-or float32. Every stage is compared with the oracle on sampled rows: index scores on the planned
+inert rows, ``Kb`` above and below the rows' visible groups, a production head geometry, float16,
+bfloat16 (``ml_dtypes``) or float32. Every stage is compared with the oracle on sampled rows: index scores on the planned
 route and on the forced other route, the fused selection (spec §8), and attention on the kernel's
 own selection on every route that takes the dtype.
 
@@ -29,6 +29,12 @@ from numqsa.kernels import index_scores as k_scores
 from numqsa.plan import arch_profile
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
 from oracle.problems import make_problem
+
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:          # bfloat16 draws fall back to float16
+    BF16 = np.dtype(np.float16)
 
 R = 4
 N_SEEDS = int(os.environ.get("NUMQSA_FUZZ_SEEDS", "6"))
@@ -63,7 +69,8 @@ def draw(seed):
     pos += [int(lens[0]) + 17, 5, 0, -3]
     page_size = int(rng.choice([16, 64, 784]))
     hq, hkv = GEOMETRIES[int(rng.integers(len(GEOMETRIES)))]
-    dtype = np.float16 if rng.random() < 0.7 else np.float32
+    u = rng.random()
+    dtype = np.float16 if u < 0.5 else (BF16 if u < 0.75 else np.float32)
     shared = bool(rng.random() < 0.5)
     # rows sit at random positions, so their visible groups fall on both sides of any of these
     kb = int(rng.choice([8, 61, 512]))
@@ -105,15 +112,16 @@ def check_problem(p, kb, desc, seed):
     ref_s = oracle.index_scores(*[sp[k] for k in BATCH], num_groups=int(p["seq_lens"].max()) // R)
     name = np.dtype(p["qi"].dtype).name
     with replay_hint(desc):
-        # scores: planned route and the tensor-core route forced (float16 only)
+        # scores: planned route and the tensor-core route forced (float16; bfloat16 on sm_80+)
         # device seq_lens are not read back: the width is the index table's capacity, -inf past G
         sc = sel.index_scores(*d).copy_to_host()
         G = ref_s.shape[1]
         assert np.isneginf(sc[:, G:]).all()
         assert_matches_oracle(sc[idx, :G], ref_s, dtype=name, what="index scores (planned route)")
-        if k_scores.tiled_supported(d[0], d[1]):
+        prof = arch_profile((9, 0))
+        if k_scores.tiled_supported(d[0], d[1], prof):
             t = poison(cuda.device_array(sc.shape, np.float32))
-            k_scores.launch_tiled(*d, t, arch_profile((9, 0)), 0)
+            k_scores.launch_tiled(*d, t, prof, 0)
             assert_matches_oracle(t.copy_to_host()[idx, :G], ref_s, dtype=name,
                                   what="tiled scores")
         # fused selection
@@ -126,15 +134,17 @@ def check_problem(p, kb, desc, seed):
                                          tok[idx], cnt[idx], sp["req_ids"], p["seq_lens"])
         dq, dk, dv, dt, dr, dl = (cuda.to_device(np.ascontiguousarray(p[k])) for k in
                                   ("q", "k_cache", "v_cache", "block_table", "req_ids", "seq_lens"))
+        tensor_cores = ("float16", "bfloat16") if prof.attention.mma == "m16n8k16" else ("float16",)
         for route in ATTENTION_ROUTES:
-            if route != "generic" and name != "float16":
+            if route != "generic" and name not in tensor_cores:
                 continue
             o = poison(cuda.device_array(p["q"].shape, p["q"].dtype))
             lse = poison(cuda.device_array(p["q"].shape[:2], np.float32))
             numqsa.sparse_attention(dq, dk, dv, dt, tokens, counts, dr, dl, route_name=route,
                                     out=(o, lse))
             oh, lh = o.copy_to_host(), lse.copy_to_host()
-            assert np.isfinite(oh).all(), f"{route}: an output element is unwritten or non-finite"
+            assert np.isfinite(oh.astype(np.float32)).all(), \
+                f"{route}: an output element is unwritten or non-finite"
             assert_matches_oracle(oh[idx], eo, dtype=name, what=f"{route} out")
             assert_matches_oracle(lh[idx], el, dtype=name, what=f"{route} lse")
 

@@ -6,7 +6,7 @@ tiles change with the heads per KV head (the generic attention kernel stages 16 
 heads per KV head at D 256 and 8 beyond), so a geometry no test runs is a tile size no test runs.
 
 Simulator tier: those geometries with few rows and short contexts (a tile or two of tokens), plus
-small ones, float16 and float32, NaN-poisoned outputs, odd and boundary sizes (tails 0-3, page size
+small ones, float16, bfloat16 and float32, NaN-poisoned outputs, odd and boundary sizes (tails 0-3, page size
 784, inert and stale rows). GPU tier (``-m gpu``): the same geometries on real sizes, the oracle on
 sampled rows. Every comparison goes through :mod:`numqsa.testing`.
 """
@@ -23,6 +23,13 @@ from numqsa.kernels import topk as k_topk
 from numqsa.plan import arch_profile
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
 from oracle.problems import make_problem
+
+try:
+    import ml_dtypes
+    DTYPES = [np.float16, np.dtype(ml_dtypes.bfloat16), np.float32]
+except ImportError:
+    DTYPES = [np.float16, np.float32]
+FLOATS = [pytest.param(dt, id=np.dtype(dt).name) for dt in DTYPES]
 
 R = 4
 # (Hq, Hkv, D): the four production slices, then small shapes (one head; odd head dims).
@@ -85,8 +92,17 @@ def _check_attention(p, tokens, counts, out, lse, dtype):
 # generic attention
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("hq,hkv,d", GEOMETRIES)
+def _generic_cases():
+    """Every geometry x dtype; bfloat16 at 24/2 (the simulator's slowest case, > 30 s: its
+    bfloat16 loads are those of 12/1, its second KV head that of float16 at 24/2) marked slow."""
+    for hq, hkv, d in GEOMETRIES:
+        for dt in DTYPES:
+            name = np.dtype(dt).name
+            marks = (pytest.mark.slow,) if name == "bfloat16" and hkv == 2 and d == 256 else ()
+            yield pytest.param(hq, hkv, d, dt, marks=marks, id=f"{hq}-{hkv}-{d}-{name}")
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", list(_generic_cases()))
 def test_generic_attention_geometry(rng, hq, hkv, d, dtype):
     """Both staged-tile sizes (16 and 8 tokens at D 256) over selections of 1..15 tokens (every
     tail length), inert and stale rows; output in the query dtype."""
@@ -131,7 +147,7 @@ def _batch(p):
                            "seq_lens")]
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("hi,di", INDEXER)
 def test_index_scores_light_geometry(rng, hi, di, dtype):
     p = _index_case(rng, hi, di, dtype, page_size=784 if hi == 4 else 16, shared=hi != 4)
@@ -139,17 +155,24 @@ def test_index_scores_light_geometry(rng, hi, di, dtype):
     out = poison(cuda.device_array(want.shape, np.float32))
     k_scores.launch_light(*[cuda.to_device(np.ascontiguousarray(a)) for a in _batch(p)], out,
                           arch_profile((9, 0)), 0)
-    assert_matches_oracle(out.copy_to_host(), want, dtype=dtype, what="light scores")
+    # bfloat16 inputs are exact: its scores carry float32 accumulation only (float16's tolerance)
+    tol = "float16" if np.dtype(dtype).name == "bfloat16" else dtype
+    assert_matches_oracle(out.copy_to_host(), want, dtype=tol, what="light scores")
 
 
-@pytest.mark.parametrize("arch,variant", [("sm_90", "keysm"), ("sm_90", "generic"),
-                                          ("sm_70", None)])
+@pytest.mark.parametrize("arch,variant,dtype", [("sm_90", "keysm", "float16"),
+                                                ("sm_90", "generic", "float16"),
+                                                ("sm_70", None, "float16"),
+                                                ("sm_90", "keysm", "bfloat16"),
+                                                ("sm_90", "generic", "bfloat16")])
 @pytest.mark.parametrize("hi,di", [(4, 128), (2, 32)])
-def test_index_scores_tiled_geometry(rng, monkeypatch, arch, variant, hi, di):
+def test_index_scores_tiled_geometry(rng, monkeypatch, arch, variant, dtype, hi, di):
     """The tensor-core kernels through the mma stand-ins: keys-as-M and per-warp-M m16n8k16
-    (sm_90), m8n8k4 (sm_70)."""
+    (sm_90, float16 and bfloat16), m8n8k4 (sm_70, float16)."""
     monkeypatch.setenv("NUMQSA_ARCH", arch)
-    p = _index_case(rng, hi, di, np.float16)
+    if dtype == "bfloat16":
+        dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    p = _index_case(rng, hi, di, dtype)
     want = oracle.index_scores(*_batch(p))
     out = poison(cuda.device_array(want.shape, np.float32))
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(p)]
@@ -201,7 +224,7 @@ def test_select_indexer_geometry(rng, page_size, shared):
                              p["req_ids"], p["positions"], p["seq_lens"], Kb=kb)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_index_keys_and_queries_geometry(rng, dtype):
     """Di 128 with the production rotary width 64, Hi 4 queries, a paged cache of 784-token pages."""
     di, G = 128, 5
@@ -216,11 +239,12 @@ def test_index_keys_and_queries_geometry(rng, dtype):
     kc = sel.index_keys(k_raw, w, reqs, eids, ic_k, p["index_block_table"])
     want = oracle.index_keys(k_raw, w, reqs, eids, ic_o, p["index_block_table"])
     assert_matches_oracle(kc, want, dtype="float32", what="kc")
-    assert_matches_oracle(ic_k, ic_o, dtype=dtype, what="index_cache")
+    assert_matches_oracle(ic_k, ic_o, dtype=np.dtype(dtype).name, what="index_cache")
     q_raw = rng.standard_normal((req.size, 4, di)).astype(dtype)
     out = poison(np.empty(q_raw.shape, dtype))
     got = sel.index_queries(q_raw, w, req, pos, lens, out=out)
-    assert_matches_oracle(got, oracle.index_queries(q_raw, w, req, pos, lens), dtype=dtype, what="qi")
+    assert_matches_oracle(got, oracle.index_queries(q_raw, w, req, pos, lens),
+                          dtype=np.dtype(dtype).name, what="qi")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,13 +263,17 @@ def gpu_attention_case(hq, hkv, dtype, rows, ctx, seed, page_size=64, kb=512):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ATTENTION_ROUTES)
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("hq,hkv,d", PRODUCTION)
 def test_gpu_attention_geometry(hq, hkv, d, dtype, route, seed):
     """1024 rows x 2051 tokens of a 32K context at every production geometry, on each route
-    (float32 runs the generic route only), against the oracle on 32 sampled rows."""
-    if route != "generic" and dtype == np.float32:
+    (float32 runs the generic route only, bfloat16 too on sm_70), against the oracle on 32
+    sampled rows."""
+    name = np.dtype(dtype).name
+    if route != "generic" and name == "float32":
         pytest.skip("float32 has the generic route only")
+    if route != "generic" and name == "bfloat16" and arch_profile((9, 0)).attention.mma != "m16n8k16":
+        pytest.skip("no bfloat16 tensor cores on sm_70: bfloat16 has the generic route only")
     rows = 1024
     p, tokens, counts = gpu_attention_case(hq, hkv, dtype, rows, 32768, seed)
     d_ = {k: cuda.to_device(np.ascontiguousarray(p[k])) for k in ("q", "k_cache", "v_cache",
@@ -257,11 +285,11 @@ def test_gpu_attention_geometry(hq, hkv, d, dtype, route, seed):
                             cuda.to_device(tokens), cuda.to_device(counts), d_["req_ids"],
                             d_["seq_lens"], route_name=route, out=(out, lse))
     o, l = out.copy_to_host(), lse.copy_to_host()
-    assert np.isfinite(o).all() and np.isfinite(l).all(), f"seed {seed}: unwritten or non-finite"
+    assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(l).all(), \
+        f"seed {seed}: unwritten or non-finite"
     sample = np.random.default_rng(seed).choice(rows, size=32, replace=False)
     eo, el = oracle.sparse_attention(p["q"][sample], p["k_cache"], p["v_cache"], p["block_table"],
                                      tokens[sample], counts[sample], p["req_ids"][sample],
                                      p["seq_lens"])
-    name = np.dtype(dtype).name
     assert_matches_oracle(o[sample], eo, dtype=name, what=f"seed {seed} {route} out")
     assert_matches_oracle(l[sample], el, dtype=name, what=f"seed {seed} {route} lse")

@@ -34,11 +34,12 @@ def versions():
 
 
 def _nb(x):
-    """A numba device view of a torch tensor (or the array itself)."""
-    from numba import cuda
+    """A numba device view of a torch tensor (or the array itself); bfloat16 tensors come out as
+    numba arrays of dtype ml_dtypes.bfloat16, as the API sees them."""
+    import numqsa.device as dev
     if hasattr(x, "copy_to_host") or isinstance(x, np.ndarray):
         return x
-    return cuda.as_cuda_array(x, sync=False)
+    return dev.as_numba(x)
 
 
 def _stream(p):
@@ -53,8 +54,9 @@ def _empty(p, shape, dtype):
     """A fresh output buffer, poisoned (NaN / -7777) so an element a kernel forgot shows up."""
     if p.torch is None:
         from numba import cuda
+        from numqsa.device import np_dtype
         from numqsa.testing import poison
-        return poison(cuda.device_array(shape, np.dtype(dtype)))
+        return poison(cuda.device_array(shape, np_dtype(dtype)))
     x = p.gen.empty(shape, dtype)
     _poison(x)
     return x
@@ -84,7 +86,7 @@ def _poison(x):
     if hasattr(x, "fill_"):
         x.fill_(float("nan") if x.dtype.is_floating_point else -7777)
     elif isinstance(x, np.ndarray):
-        x[...] = np.nan if x.dtype.kind == "f" else -7777
+        x[...] = np.nan if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else -7777
 
 
 def routes(p):
@@ -211,11 +213,11 @@ def prepare(stage, p, route=None):
                 rows, hi, di = p.qi.shape
                 _, hq, d = p.q.shape
                 w = numqsa.QSAPrefillWrapper(Hi=hi, Di=di, Hq=hq, Hkv=p.k_cache.shape[2], D=d, r=r,
-                                             Kb=kb)
+                                             Kb=kb, dtype=c.dtype)
                 w.plan(p.req_ids, p.positions, p.seq_lens, p.block_table, p.block_table,
                        num_groups=G, validate=False, stream=st)
                 wrap["w"] = w
-                wrap["out"] = (_empty(prob, (rows, hq, d), "float16"),
+                wrap["out"] = (_empty(prob, (rows, hq, d), c.dtype),
                                _empty(prob, (rows, hq), "float32"))
             wrap["w"].run(p.qi, p.index_cache, p.q, p.k_cache, p.v_cache, out=wrap["out"],
                           stream=st)

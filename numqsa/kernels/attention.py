@@ -1,8 +1,9 @@
 """Generic sparse attention (spec §6): each query row attends to its selected tokens through the page table.
 
 Any page size, any K/V element strides (contiguous, interleaved ``kv[:, 0]``, head-major views are
-read in place), any token order. float32 FMA arithmetic; inputs float16/float32 (bfloat16 where numba
-types it), output in the query dtype or float32.
+read in place), any token order. float32 FMA arithmetic; inputs float16/float32/bfloat16 (bfloat16 as
+uint16 bit views, :func:`numqsa.kernels.common.bits16`; on every architecture, sm_70 included: the
+conversions are integer arithmetic), output in the query dtype or float32.
 
 Reduction order (what makes results bitwise reproducible and independent of page placement and of
 the other rows of the batch): a row's tokens are consumed in list order in chunks of ``r`` = 4
@@ -18,6 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ..jit import SIMULATOR, jit
+from .common import bits16, is_bf16, loader, storer
 
 __all__ = ["make_attention_kernel", "launch_attention", "attention_tile", "RESOURCE_CASES"]
 
@@ -38,8 +40,10 @@ def _smem_bytes(d, hg, tile):
 
 
 @functools.lru_cache(maxsize=None)
-def make_attention_kernel(d, hg, threads):
+def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=False):
     """Kernel over grid ``(rows, Hkv)``; block = ``threads`` threads = one (row, KV head) pair.
+
+    ``q_bf16`` / ``kv_bf16`` / ``out_bf16``: that array is bfloat16 passed as uint16 bits.
 
     The block serves the ``hg = Hq // Hkv`` query heads of its KV head. Per step it stages
     ``T`` = :func:`attention_tile` selected tokens: their (page, slot) into shared memory, then K and V
@@ -68,6 +72,7 @@ def make_attention_kernel(d, hg, threads):
     POS_INF = float32(math.inf)
     NAN = float32(math.nan)
     F0, F1 = float32(0), float32(1)
+    ldq, ldkv, st = loader(q_bf16), loader(kv_bf16), storer(out_bf16)
 
     def kernel(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale, out, lse,
                skip):
@@ -118,7 +123,7 @@ def make_attention_kernel(d, hg, threads):
         for e in range(tid, UHG * UD, UNT):
             h = e // UD
             dd = e - h * UD
-            sq[h, dd] = float32(q[row, j * UHG + h, dd])
+            sq[h, dd] = ldq(q[row, j * UHG + h, dd])
         m = NEG_INF       # running max and sum of head tid (threads tid < HG)
         l = F0
         bad = False       # head tid saw a NaN or +inf score: its softmax is NaN (the float64 math's)
@@ -145,8 +150,8 @@ def make_attention_kernel(d, hg, threads):
                 kv = F0
                 vv = F0
                 if sl >= int32(0):
-                    kv = float32(k_cache[spage[tt], sl, j, dd])
-                    vv = float32(v_cache[spage[tt], sl, j, dd])
+                    kv = ldkv(k_cache[spage[tt], sl, j, dd])
+                    vv = ldkv(v_cache[spage[tt], sl, j, dd])
                 sk[tt, dd] = kv
                 sv[tt, dd] = vv
             cuda.syncthreads()
@@ -217,9 +222,10 @@ def make_attention_kernel(d, hg, threads):
                 o = F0
                 if n > int32(0):
                     o = acc[i] / sp[h, 0]
-                out[row, j * UHG + h, dd] = o
+                out[row, j * UHG + h, dd] = st(o)
 
-    kernel.__name__ = f"sparse_attention_d{D}_g{HG}_t{NT}"
+    tag = "".join(n for n, b in (("_qb", q_bf16), ("_kvb", kv_bf16), ("_ob", out_bf16)) if b)
+    kernel.__name__ = f"sparse_attention_d{D}_g{HG}_t{NT}{tag}"
     kernel.__qualname__ = kernel.__name__
     k = jit(kernel)
     k.threads = NT
@@ -246,9 +252,11 @@ def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     hkv = k_cache.shape[2]
     if rows == 0:
         return out, lse
-    k = make_attention_kernel(int(d), int(hq // hkv), generic_threads(profile))
-    k[(rows, hkv), k.threads, stream](q, k_cache, v_cache, block_table, tokens, counts, req_ids,
-                                      seq_lens, np.float32(scale), out, lse, skip)
+    k = make_attention_kernel(int(d), int(hq // hkv), generic_threads(profile), is_bf16(q),
+                              is_bf16(k_cache), is_bf16(out))
+    k[(rows, hkv), k.threads, stream](bits16(q), bits16(k_cache), bits16(v_cache), block_table,
+                                      tokens, counts, req_ids, seq_lens, np.float32(scale),
+                                      bits16(out), lse, skip)
     return out, lse
 
 
@@ -262,6 +270,12 @@ def _resource_cases():
             if dt == "float32" and hg == 12:
                 continue
             cases.append((f"attention_generic_{dt}_g{hg}", k, sig, 128, 0, None))
+    for hg in (6, 12):
+        k = make_attention_kernel(256, hg, 128, True, True, True)
+        sig = ("void(uint16[:, :, :], uint16[:, :, :, :], uint16[:, :, :, :], int32[:, :], "
+               "int32[:, :], int32[:], int32[:], int32[:], float32, uint16[:, :, :], float32[:, :], "
+               "int32[:])")
+        cases.append((f"attention_generic_bf16_g{hg}", k, sig, 128, 0, None))   # sm_70 too
     return cases
 
 

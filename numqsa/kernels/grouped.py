@@ -36,6 +36,7 @@ from numba import cuda, float32, int32, uint32
 from numba.cuda.types import float16
 
 from ..jit import SIMULATOR, device_jit, jit
+from .common import bits16, is_bf16
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
 from .smem import (shared_base, cp_async_16, cp_async_commit, cp_async_wait_fn, ldmatrix_x4, ldmatrix_x4_trans,
                    movmatrix_trans, shfl_xor_f32, warp_any)
@@ -766,12 +767,14 @@ def pieces_of(kb1, piece):
 
 
 def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req_ids, scale, out,
-                   lse, profile, stream, buffers, dtype="f16", out_kind=None):
+                   lse, profile, stream, buffers, dtype=None, out_kind=None):
     """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
     ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
     ``tokens`` (the selection the plan came from) orders the windows' unions by logical group;
     without it every row is its own window (same arithmetic, no shared loads).
-    K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`)."""
+    K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`).
+    ``dtype`` ("f16"/"bf16", q and K/V) and ``out_kind`` ("f32"/"f16"/"bf16") default to the
+    arrays' own; a bfloat16 ``out`` is written through its uint16 bits."""
     from .. import device as dev
     rows, hq, d = q.shape
     hkv = int(k_cache.shape[2])
@@ -801,7 +804,9 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     qv = words_view(q, align=4)
     if kv is None or vv is None or qv is None:
         raise ValueError("grouped route needs K/V/q with a contiguous, aligned D axis")
-    ok = out_kind or "f32"
+    dtype = dtype or ("bf16" if is_bf16(q) else "f16")
+    ok = out_kind or _out_kind_of(out)
+    ob = bits16(out)
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok)
     part_o = buffers("grouped.part_o", (rows if npieces > 1 else 1, hq, npieces, d), np.float32)
     part_ml = buffers("grouped.part_ml", (rows if npieces > 1 else 1, hq, npieces, 2), np.float32)
@@ -809,12 +814,17 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][1]),
             i64(kv[1][2]), i64(vv[1][0]), i64(vv[1][1]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.int32(cfg.prefetch),
-            np.float32(scale), out, lse, part_o, part_ml)
+            np.float32(scale), ob, lse, part_o, part_ml)
     _launch_dynamic(k, (nwin, npieces, hkv), k.threads, stream, cfg.smem_bytes, args)
     if npieces > 1:
         km = make_merge_kernel(int(d), ok, pc)
-        km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, out, lse)
+        km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
     return out, lse
+
+
+def _out_kind_of(out):
+    from oracle.validate import dtype_name
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[dtype_name(out)]
 
 
 _DYN_OPTED = {}
@@ -886,6 +896,15 @@ def _resource_cases():
         cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16")
         cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
+    # bfloat16 q/K/V, output bfloat16 bits (uint16)
+    sig_bf = sig.replace("float16[:, :, :], float32[:, :]", "uint16[:, :, :], float32[:, :]")
+    for hg in (6, 12):
+        cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16")
+        cases.append((f"grouped_attn_bf16_g{hg}", k, sig_bf, k.threads, cfg.smem_bytes, (9, 0)))
+    cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE),
+                  "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "
+                  "float32[:, :])", 256, 0, (9, 0)))
     return cases
 
 

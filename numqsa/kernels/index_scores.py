@@ -6,8 +6,13 @@ Two routes over the same output ``scores [rows, num_groups]`` float32:
   and the fallback everywhere. A block keeps ``TR`` query rows (all heads) in shared memory and walks
   ``keys_per_block`` compressed keys in tiles of ``TK``.
 - tiled (:func:`make_tiled_scores_kernel`): tensor cores (mma.sync m16n8k16 on sm_80+, m8n8k4 on
-  sm_70, through :mod:`numqsa.kernels.mma`), float16 inputs, float32 accumulation, ReLU and head sum
-  in the epilogue. Admitted by :func:`numqsa.plan.plan_select`.
+  sm_70, through :mod:`numqsa.kernels.mma`), float16 inputs -- or bfloat16 on sm_80+ (m16n8k16
+  ``.bf16``) -- float32 accumulation, ReLU and head sum in the epilogue. Admitted by
+  :func:`numqsa.plan.plan_select`.
+
+bfloat16 arrays reach the kernels as uint16 bit views (:func:`numqsa.kernels.common.bits16`); the
+light kernel converts them element by element (any architecture), the tensor-core kernels feed the
+bits to ``mma ... .bf16`` unchanged (sm_80+; on sm_70 bfloat16 scores take the light route).
 
 Rows of one tile may belong to different requests (varlen batches): a block runs one pass per
 distinct request among its rows, staging that request's keys; almost always there is one pass.
@@ -25,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ..jit import SIMULATOR, device_jit, jit
-from .common import row_state
+from .common import bits16, is_bf16, loader, row_state
 from .mma import pack_f16x2 as _pack_pair
 
 NEG_INF = float32(-math.inf)
@@ -51,8 +56,9 @@ def _light_shape(hi, di):
 
 
 @functools.lru_cache(maxsize=None)
-def make_light_scores_kernel(hi, di, r):
-    """Light index-score kernel for ``Hi = hi``, ``Di = di``, compress ratio ``r``.
+def make_light_scores_kernel(hi, di, r, q_bf16=False, k_bf16=False):
+    """Light index-score kernel for ``Hi = hi``, ``Di = di``, compress ratio ``r``; ``q_bf16`` /
+    ``k_bf16``: the queries / index cache are bfloat16 bits (uint16 views).
 
     Grid ``(ceil(num_groups / keys_per_block), ceil(rows / TR))``, block ``TK * RG`` threads.
     Thread ``t`` owns key ``t % TK`` of the current tile and rows ``(t // TK) * RPT + 0..RPT-1`` of the
@@ -68,6 +74,7 @@ def make_light_scores_kernel(hi, di, r):
     ACC = RPT * hi
     KN = TK * di
     inv_sqrt = float32(1.0 / math.sqrt(di))
+    ldq, ldk = loader(q_bf16), loader(k_bf16)
 
     @jit(fastmath=False)
     def light_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
@@ -104,7 +111,7 @@ def make_light_scores_kernel(hi, di, r):
             d = rem - h * uint32(DI)
             v = float32(0.0)
             if row0 + rr < rows:
-                v = float32(qi[row0 + rr, h, d])
+                v = ldq(qi[row0 + rr, h, d])
             q_s[rr, h, d] = v
         cuda.syncthreads()
 
@@ -136,7 +143,7 @@ def make_light_scores_kernel(hi, di, r):
                             if col < tcols:
                                 page = int32(index_block_table[target, col])
                                 if page >= int32(0) and page < n_pages:
-                                    v = float32(index_cache[page, ek - col * rpp, d])
+                                    v = ldk(index_cache[page, ek - col * rpp, d])
                         k_s[kk, d] = v
                     cuda.syncthreads()
                     mine = False
@@ -185,12 +192,13 @@ def launch_light(qi, index_cache, index_block_table, req_ids, positions, seq_len
     rows, groups = scores.shape
     if rows == 0 or groups == 0:
         return scores
-    k = make_light_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r))
+    k = make_light_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), is_bf16(qi),
+                                 is_bf16(index_cache))
     tr = k.rows_per_block
     row_tiles = -(-rows // tr)
     span = light_keys_per_block(row_tiles, groups, k.keys_per_tile, profile.sm_count)
     grid = (-(-groups // span), row_tiles)
-    k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+    k[grid, k.threads, stream](bits16(qi), bits16(index_cache), index_block_table, req_ids, positions, seq_lens,
                                np.int32(span), scores)
     return scores
 
@@ -252,11 +260,14 @@ def _tiled_shape():
 TILED_HEADS = (1, 2, 4, 8, 16)
 
 
-def tiled_supported(qi, index_cache):
-    """The tensor-core route: float16 queries and keys, Hi in 1, 2, 4, 8, 16, Di a multiple of 16."""
+def tiled_supported(qi, index_cache, profile=None):
+    """The tensor-core route: float16 queries and keys (or bfloat16 both, on an m16n8k16
+    ``profile``: sm_80+), Hi in 1, 2, 4, 8, 16, Di a multiple of 16."""
     from oracle.validate import dtype_name
-    return (dtype_name(qi) == "float16" and dtype_name(index_cache) == "float16"
-            and qi.shape[1] in TILED_HEADS and qi.shape[2] % 16 == 0)
+    dq, dk = dtype_name(qi), dtype_name(index_cache)
+    kinds = ("float16", "bfloat16") if profile is None or profile.scores.mma == "m16n8k16" \
+        else ("float16",)
+    return (dq == dk and dq in kinds and qi.shape[1] in TILED_HEADS and qi.shape[2] % 16 == 0)
 
 
 if SIMULATOR:
@@ -275,8 +286,10 @@ else:
 
 
 @functools.lru_cache(maxsize=None)
-def make_tiled_scores_kernel(kind, hi, di, r):
+def make_tiled_scores_kernel(kind, hi, di, r, bf16=False):
     """Tensor-core index scores; ``kind`` is ``"m16n8k16"`` (sm_80+) or ``"m8n8k4"`` (sm_70).
+    ``bf16`` (m16n8k16 only): queries and keys are bfloat16 bits (uint16 arrays), multiplied by
+    ``mma ... .bf16``.
 
     The product is one GEMM per warp with M = 16 (query row, head) pairs (``16 // Hi`` query rows x
     ``Hi`` heads), N = keys, K = Di: the warp's A fragments (its queries, float16) are loaded once
@@ -308,9 +321,11 @@ def make_tiled_scores_kernel(kind, hi, di, r):
     XS = 32 if SIMULATOR else 1
     U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
     F0 = float32(0.0)
-    mma16 = M.mma_m16n8k16_f16
+    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
     mma884 = M.mma_m8n8k4_f16
-    pack = M.pack_f16x2
+    pack = _pack_bits if bf16 else M.pack_f16x2
+    if bf16 and kind != "m16n8k16":
+        raise ValueError("bfloat16 tensor-core scores need m16n8k16 (sm_80+)")
     if kind == "m16n8k16":
         AREG = KS * 4
     elif kind == "m8n8k4":
@@ -483,11 +498,12 @@ def launch_tiled(qi, index_cache, index_block_table, req_ids, positions, seq_len
     if variant == "keysm":
         return launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
                             scores, profile, stream, r=r, **keysm_options)
-    k = make_tiled_scores_kernel(profile.scores.mma, int(qi.shape[1]), int(qi.shape[2]), int(r))
+    k = make_tiled_scores_kernel(profile.scores.mma, int(qi.shape[1]), int(qi.shape[2]), int(r),
+                                 is_bf16(qi))
     row_tiles = -(-rows // k.rows_per_block)
     span = light_keys_per_block(row_tiles, groups, k.keys_per_tile, profile.sm_count)
     grid = (-(-groups // span), row_tiles)
-    k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+    k[grid, k.threads, stream](bits16(qi), bits16(index_cache), index_block_table, req_ids, positions, seq_lens,
                                np.int32(span), scores)
     return scores
 
@@ -501,13 +517,14 @@ KEYSM_HEADS = (1, 2, 4)
 
 
 def word_view(a):
-    """A uint32 view (pairs of float16 along the last axis) of a float16 array, or None.
+    """A uint32 view (pairs of float16 or bfloat16 along the last axis) of a 16-bit float array, or
+    None.
 
     Needs the last axis contiguous with an even length and 4-byte aligned rows; any other strides
     are kept (interleaved or transposed caches)."""
     from oracle.validate import dtype_name
     shape, strides = tuple(a.shape), tuple(a.strides)
-    if dtype_name(a) != "float16" or shape[-1] % 2 or strides[-1] != 2:
+    if dtype_name(a) not in ("float16", "bfloat16") or shape[-1] % 2 or strides[-1] != 2:
         return None
     if any(st % 4 for st in strides[:-1]):
         return None
@@ -534,6 +551,18 @@ def _word_f16(a, i, j, w):
     return _pack_pair(a[i, j, from_], a[i, j, from_ + uint32(1)])
 
 
+@device_jit(forceinline=True)
+def _pack_bits(lo, hi):
+    """Two 16-bit words (bfloat16 bits) -> one uint32, ``lo`` in the low half."""
+    return (uint32(lo) & uint32(0xFFFF)) | ((uint32(hi) & uint32(0xFFFF)) << uint32(16))
+
+
+@device_jit
+def _word_bits(a, i, j, w):
+    from_ = uint32(2) * w
+    return _pack_bits(a[i, j, from_], a[i, j, from_ + uint32(1)])
+
+
 def _keysm_shape(warps):
     """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, 64 keys (17 KB);
     simulator: 2 warps, 16 keys."""
@@ -541,7 +570,7 @@ def _keysm_shape(warps):
 
 
 @functools.lru_cache(maxsize=None)
-def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
+def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
     """Tensor-core index scores with the keys as the M side of m16n8k16 (sm_80+, ``Hi`` 1, 2, 4).
 
     Each warp owns 8 query rows (the N = 8 of the mma) and keeps their queries for all ``Hi`` heads
@@ -554,7 +583,8 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
     of 4 rows per store: whole 32-byte sectors).
 
     ``words``: the keys and queries are uint32 views (:func:`word_view`), one load per pair of
-    float16; otherwise float16 arrays read per element and packed.
+    float16; otherwise float16 arrays read per element and packed. ``bf16``: the pairs are
+    bfloat16 (uint16 bit arrays when not ``words``), multiplied by ``mma ... .bf16``.
     Grid ``(ceil(G / keys_per_block), ceil(rows / TM))``, ``TM = 8 * warps`` rows, ``32 * warps``
     threads. Shared memory: ``TN * (Di/2 + 4) * 4 + TN * 8 + TM * 16`` bytes (18.5 KB at TN 64, Di
     128) plus the simulator's mma scratch. Rows of several requests: one pass per distinct request
@@ -578,8 +608,8 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1):
     SCRW = M.SCRATCH_WORDS
     U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
     F0 = float32(0.0)
-    mma16 = M.mma_m16n8k16_f16
-    word = _word_u32 if words else _word_f16
+    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
+    word = _word_u32 if words else (_word_bits if bf16 else _word_f16)
     MINB = minb
 
     @jit(launch_bounds=(NT, MINB))
@@ -724,7 +754,9 @@ def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_len
         return scores
     wq, wk = word_view(qi), word_view(index_cache)
     words = wq is not None and wk is not None
-    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps, minb)
+    bf16 = is_bf16(qi)
+    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps, minb,
+                                 bf16)
     row_tiles = -(-rows // k.rows_per_block)
     tn = k.keys_per_tile
     span = tn * span_tiles
@@ -733,6 +765,8 @@ def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_len
     grid = (-(-groups // span), row_tiles)
     if words:
         qi, index_cache = wq, wk
+    else:
+        qi, index_cache = bits16(qi), bits16(index_cache)
     k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
                                np.int32(span), scores)
     return scores
@@ -762,3 +796,16 @@ for _words in (True, False):
     _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], int32[:, :], int32[:], int32[:], int32[:], "
             "int32, float32[:, :])")
     RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))
+# bfloat16 (uint16 bit arrays): light on every architecture, tensor cores on sm_80+
+_BF = ("void(uint16[:, :, :], uint16[:, :, :], int32[:, :], int32[:], int32[:], int32[:], int32, "
+       "float32[:, :])")
+_k = make_light_scores_kernel(4, 128, 4, True, True)
+for _cc in ((7, 0), (9, 0)):
+    RESOURCE_CASES.append(("index_scores.light.bf16", _k, _BF, _k.threads, 0, _cc))
+_k = make_tiled_scores_kernel("m16n8k16", 8, 128, 4, True)
+RESOURCE_CASES.append(("index_scores.tiled.m16n8k16.bf16", _k, _BF, _k.threads, 0, (9, 0)))
+for _words in (True, False):
+    _k = make_keysm_scores_kernel(4, 128, 4, _words, bf16=True)
+    _sig = _BF.replace("uint16", "uint32") if _words else _BF
+    RESOURCE_CASES.append((f"index_scores.keysm.bf16.{'uint32' if _words else 'uint16'}", _k, _sig,
+                           _k.threads, 0, (9, 0)))
