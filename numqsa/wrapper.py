@@ -423,7 +423,7 @@ class _Buffers:
     def put(self, name, host, stream):
         """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""
         buf = self.buffer(name, host.shape, host.dtype, stream)
-        buf.copy_to_device(host, stream=stream or 0)
+        dev.copy_to_device(buf, host, stream or 0)
         return buf
 
     @property

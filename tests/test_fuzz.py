@@ -27,7 +27,7 @@ import oracle
 from numqsa import selection as sel
 from numqsa.kernels import index_scores as k_scores
 from numqsa.plan import arch_profile
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
 from oracle.problems import make_problem
 
 try:
@@ -108,7 +108,7 @@ def check_problem(p, kb, desc, seed):
     idx = np.sort(np.random.default_rng(seed).choice(rows, size=min(rows, SAMPLE_ROWS),
                                                      replace=False))
     sp = _sub(p, idx)
-    d = [cuda.to_device(np.ascontiguousarray(p[k])) for k in BATCH]
+    d = [to_device(np.ascontiguousarray(p[k])) for k in BATCH]
     ref_s = oracle.index_scores(*[sp[k] for k in BATCH], num_groups=int(p["seq_lens"].max()) // R)
     name = np.dtype(p["qi"].dtype).name
     with replay_hint(desc):
@@ -128,7 +128,7 @@ def check_problem(p, kb, desc, seed):
         # attention on the kernel's own selection
         eo, el = oracle.sparse_attention(sp["q"], p["k_cache"], p["v_cache"], p["block_table"],
                                          tok[idx], cnt[idx], sp["req_ids"], p["seq_lens"])
-        dq, dk, dv, dt, dr, dl = (cuda.to_device(np.ascontiguousarray(p[k])) for k in
+        dq, dk, dv, dt, dr, dl = (to_device(np.ascontiguousarray(p[k])) for k in
                                   ("q", "k_cache", "v_cache", "block_table", "req_ids", "seq_lens"))
         tensor_cores = ("float16", "bfloat16") if prof.attention.mma == "m16n8k16" else ("float16",)
         for route in ATTENTION_ROUTES:
@@ -167,7 +167,7 @@ def test_fuzz_sm70(arch, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 def _prefill(p, kb, stream):
-    d = [cuda.to_device(np.ascontiguousarray(p[k]), stream=stream) for k in
+    d = [to_device(np.ascontiguousarray(p[k]), stream=stream) for k in
          ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
           "req_ids", "positions", "seq_lens")]
     return numqsa.qsa_prefill(*d, Kb=kb, num_groups=int(p["seq_lens"].max()) // R,
