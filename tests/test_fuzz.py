@@ -47,8 +47,8 @@ SAMPLE_ROWS = 24
 pytestmark = pytest.mark.gpu
 
 
-def draw(seed):
-    """A random problem: ``(problem dict, Kb, description)``."""
+def draw(seed, dtype=None):
+    """A random problem: ``(problem dict, Kb, description)``; ``dtype`` overrides the drawn one."""
     rng = np.random.default_rng(seed)
     nreq = int(rng.integers(1, 9))
     lens = np.exp(rng.uniform(0, np.log(131072), nreq)).astype(np.int64) + 1
@@ -70,7 +70,8 @@ def draw(seed):
     page_size = int(rng.choice([16, 64, 784]))
     hq, hkv = GEOMETRIES[int(rng.integers(len(GEOMETRIES)))]
     u = rng.random()
-    dtype = np.float16 if u < 0.5 else (BF16 if u < 0.75 else np.float32)
+    if dtype is None:
+        dtype = np.float16 if u < 0.5 else (BF16 if u < 0.75 else np.float32)
     shared = bool(rng.random() < 0.5)
     # rows sit at random positions, so their visible groups fall on both sides of any of these
     kb = int(rng.choice([8, 61, 512]))
@@ -149,6 +150,16 @@ def check_problem(p, kb, desc, seed):
 def test_fuzz(k):
     seed = BASE + k
     p, kb, desc = draw(seed)
+    print(desc)
+    check_problem(p, kb, desc, seed)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_fuzz_bf16(k):
+    """Draws forced to bfloat16 (the fixed seed set draws it only on a small problem): Kb 8, 8,
+    61 and 512 over contexts up to 131K, page sizes 16 and 64, Hq/Hkv 6/1 and 3/1."""
+    seed = BASE + 2000 + k
+    p, kb, desc = draw(seed, dtype=BF16)
     print(desc)
     check_problem(p, kb, desc, seed)
 
