@@ -31,7 +31,7 @@ from numqsa import selection as sel  # noqa: E402
 from numqsa.kernels import index_scores as k_scores  # noqa: E402
 from numqsa.kernels import topk as k_topk  # noqa: E402
 from numqsa.plan import arch_profile  # noqa: E402
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison  # noqa: E402
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device  # noqa: E402
 from oracle.problems import make_problem  # noqa: E402
 
 try:
@@ -66,7 +66,7 @@ def make(spec, seed, hq=6, hkv=1, dtype=np.float16):
 
 
 def dev(p, *keys):
-    return [cuda.to_device(np.ascontiguousarray(p[k])) for k in keys]
+    return [to_device(np.ascontiguousarray(p[k])) for k in keys]
 
 
 BATCH = ("qi", "index_cache", "index_block_table", "req_ids", "positions", "seq_lens")
@@ -94,16 +94,16 @@ def run(arch, routes, quick, seed=7):
         reqs = np.zeros(g, np.int32)
         eids = np.array([0, 1, 7, 3, 12], np.int32)
         ic_k, ic_o = p["index_cache"].copy(), p["index_cache"].copy()
-        d_ic = cuda.to_device(ic_k)
-        kc = sel.index_keys(cuda.to_device(k_raw), cuda.to_device(w), cuda.to_device(reqs),
-                            cuda.to_device(eids), d_ic, cuda.to_device(p["index_block_table"]),
+        d_ic = to_device(ic_k)
+        kc = sel.index_keys(to_device(k_raw), to_device(w), to_device(reqs),
+                            to_device(eids), d_ic, to_device(p["index_block_table"]),
                             out=poison(cuda.device_array((g, 128), np.float32)))
         want = oracle.index_keys(k_raw, w, reqs, eids, ic_o, p["index_block_table"])
         assert_matches_oracle(kc.copy_to_host(), want, dtype="float32", what="index_keys")
         assert_matches_oracle(d_ic.copy_to_host(), ic_o, dtype="float16", what="index cache")
         ok(f"{name} index_keys")
         q_raw = rng.standard_normal(p["qi"].shape).astype(np.float16)
-        qi = sel.index_queries(cuda.to_device(q_raw), cuda.to_device(w), *d[3:],
+        qi = sel.index_queries(to_device(q_raw), to_device(w), *d[3:],
                                out=poison(cuda.device_array(q_raw.shape, np.float16)))
         assert_matches_oracle(qi.copy_to_host(), oracle.index_queries(q_raw, w, *batch),
                               dtype="float16", what="index_queries")
@@ -127,7 +127,7 @@ def run(arch, routes, quick, seed=7):
         gmax = k_topk.bitmap_shape()[1]      # the simulator's bitmap kernel takes 128 groups only
         for bitmap in ((True, False) if own.shape[1] <= gmax else (False,)):
             gr = poison(cuda.device_array((own.shape[0], kb), np.int32))
-            k_topk.launch_topk(cuda.to_device(own.view(np.uint32)), *d[3:], gr, prof, 0,
+            k_topk.launch_topk(to_device(own.view(np.uint32)), *d[3:], gr, prof, 0,
                                bitmap=bitmap)
             np.testing.assert_array_equal(gr.copy_to_host(),
                                           oracle.topk_groups(own.astype(np.float64), *batch, Kb=kb))
@@ -144,11 +144,11 @@ def run(arch, routes, quick, seed=7):
         for hq, hkv in ([(12, 1)] if quick else GEOMETRIES):
             pa = make(spec, s + hq, hq=hq, hkv=hkv)
             num_pages, ps = pa["k_cache"].shape[:2]
-            numqsa.page4_plan(tokens, counts, cuda.to_device(pa["block_table"]), d[3], d[5],
+            numqsa.page4_plan(tokens, counts, to_device(pa["block_table"]), d[3], d[5],
                               page_size=ps, num_pages=num_pages)
             eo, el = oracle.sparse_attention(pa["q"], pa["k_cache"], pa["v_cache"], pa["block_table"],
                                              tok_h, cnt_h, pa["req_ids"], pa["seq_lens"])
-            kv = cuda.to_device(np.stack([pa["k_cache"], pa["v_cache"]], axis=1))   # interleaved
+            kv = to_device(np.stack([pa["k_cache"], pa["v_cache"]], axis=1))   # interleaved
             da = dev(pa, "q", "block_table", "req_ids", "seq_lens")
             for route in routes:
                 o = poison(cuda.device_array(pa["q"].shape, np.float16))
@@ -158,8 +158,8 @@ def run(arch, routes, quick, seed=7):
                 assert_matches_oracle(o.copy_to_host(), eo, dtype="float16", what=f"{route} out")
                 assert_matches_oracle(lse.copy_to_host(), el, dtype="float16", what=f"{route} lse")
                 ok(f"{name} attention {route} {hq}/{hkv}")
-            q32 = cuda.to_device(pa["q"].astype(np.float32))
-            k32, v32 = (cuda.to_device(pa[k].astype(np.float32)) for k in ("k_cache", "v_cache"))
+            q32 = to_device(pa["q"].astype(np.float32))
+            k32, v32 = (to_device(pa[k].astype(np.float32)) for k in ("k_cache", "v_cache"))
             o = poison(cuda.device_array(pa["q"].shape, np.float32))
             lse = poison(cuda.device_array(pa["q"].shape[:2], np.float32))
             numqsa.sparse_attention(q32, k32, v32, da[1], tokens, counts, da[2], da[3],
@@ -188,16 +188,16 @@ def bf_selection(arch, prof, p, s, ok, name):
     w = (0.1 * rng.standard_normal(128)).astype(BF16)
     reqs, eids = np.zeros(5, np.int32), np.array([0, 1, 7, 3, 12], np.int32)
     ic_o = pb["index_cache"].copy()
-    d_ic = cuda.to_device(pb["index_cache"])
-    kc = sel.index_keys(cuda.to_device(k_raw), cuda.to_device(w), cuda.to_device(reqs),
-                        cuda.to_device(eids), d_ic, cuda.to_device(pb["index_block_table"]),
+    d_ic = to_device(pb["index_cache"])
+    kc = sel.index_keys(to_device(k_raw), to_device(w), to_device(reqs),
+                        to_device(eids), d_ic, to_device(pb["index_block_table"]),
                         emulate_dtype=BF16, out=poison(cuda.device_array((5, 128), np.float32)))
     want = oracle.index_keys(k_raw, w, reqs, eids, ic_o, pb["index_block_table"], emulate_dtype=BF16)
     assert_matches_oracle(kc.copy_to_host(), want, dtype="bfloat16", what="bf16 index_keys")
     assert_matches_oracle(d_ic.copy_to_host(), ic_o, dtype="bfloat16", what="bf16 index cache")
     ok(f"{name} index_keys bf16")
     q_raw = rng.standard_normal(pb["qi"].shape).astype(BF16)
-    qi = sel.index_queries(cuda.to_device(q_raw), cuda.to_device(w), *d[3:],
+    qi = sel.index_queries(to_device(q_raw), to_device(w), *d[3:],
                            out=poison(cuda.device_array(q_raw.shape, BF16)))
     assert_matches_oracle(qi.copy_to_host(), oracle.index_queries(q_raw, w, *batch),
                           dtype="bfloat16", what="bf16 index_queries")
@@ -221,8 +221,8 @@ def bf_attention(arch, pa, tokens, counts, tok_h, cnt_h, da, routes, ok, what):
     q, k, v = (pa[x].astype(BF16) for x in ("q", "k_cache", "v_cache"))
     eo, el = oracle.sparse_attention(q, k, v, pa["block_table"], tok_h, cnt_h, pa["req_ids"],
                                      pa["seq_lens"])
-    kv = cuda.to_device(np.stack([k, v], axis=1))
-    dq = cuda.to_device(q)
+    kv = to_device(np.stack([k, v], axis=1))
+    dq = to_device(q)
     for route in routes:
         if route != "generic" and arch == "sm_70":
             continue                  # no bfloat16 tensor cores: bfloat16 is generic there

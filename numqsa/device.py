@@ -21,7 +21,7 @@ from numba import cuda
 from .jit import SIMULATOR
 from .plan import PROFILES
 
-__all__ = ["resolve_stream", "as_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
+__all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
            "as_numba", "describe", "new_array", "current_stream_handle", "stream_handle",
            "host_int32", "ints"]
 
@@ -151,10 +151,32 @@ def as_numba(x, name="array"):
     return cuda.as_cuda_array(x, sync=False)
 
 
+def _is_bf16_dtype(dt):
+    return getattr(dt, "name", None) == "bfloat16"
+
+
+def to_device(a, stream=0):
+    """``cuda.to_device`` that also takes ``ml_dtypes.bfloat16``: numba's host copies go through
+    the buffer protocol, which NumPy refuses for that dtype, so its bits travel as uint16."""
+    a = np.ascontiguousarray(a)
+    if _is_bf16_dtype(a.dtype):
+        return cuda.to_device(a.view(np.uint16), stream=stream).view(a.dtype)
+    return cuda.to_device(a, stream=stream)
+
+
+def copy_to_device(buf, host, stream=0):
+    """``buf.copy_to_device(host)``, bfloat16 included (as uint16 bits, see :func:`to_device`)."""
+    if _is_bf16_dtype(np.dtype(host.dtype)):
+        buf.view(np.uint16).copy_to_device(np.ascontiguousarray(host).view(np.uint16),
+                                           stream=stream)
+    else:
+        buf.copy_to_device(host, stream=stream)
+
+
 def as_device(x, stream, name="array"):
     """``(device_array, was_host)``: NumPy is copied (made contiguous first), CUDA arrays are viewed."""
     if isinstance(x, np.ndarray):
-        return cuda.to_device(np.ascontiguousarray(x), stream=stream), True
+        return to_device(x, stream), True
     return as_numba(x, name), False
 
 

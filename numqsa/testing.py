@@ -7,7 +7,7 @@ import oracle
 from oracle.batch import row_states
 
 __all__ = ["Tolerance", "TOLERANCES", "compare", "assert_matches_oracle", "assert_selection_matches",
-           "poison", "INT_POISON"]
+           "poison", "to_device", "INT_POISON"]
 
 INT_POISON = -7777   # no valid output (ids, counts, -1 padding) takes this value
 
@@ -106,5 +106,12 @@ def poison(x):
     if isinstance(x, np.ndarray):
         x[...] = value
     else:
-        x.copy_to_device(np.full(x.shape, value, dtype=dt))
+        from .device import copy_to_device
+        copy_to_device(x, np.full(x.shape, value, dtype=dt))
     return x
+
+
+def to_device(a, stream=0):
+    """A device copy of a host array, ``ml_dtypes.bfloat16`` included (:func:`numqsa.device.to_device`)."""
+    from .device import to_device as _to_device
+    return _to_device(a, stream)

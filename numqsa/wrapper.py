@@ -519,7 +519,7 @@ class _Buffers:
         """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""
         buf = self.buffer(name, host.shape, host.dtype, stream)
         if host.size:               # (the simulator refuses empty copies of unequal strides)
-            buf.copy_to_device(host, stream=stream or 0)
+            dev.copy_to_device(buf, host, stream or 0)
         return buf
 
     @property

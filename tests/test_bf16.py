@@ -15,7 +15,7 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import selection as sel
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
 from oracle.problems import make_problem
 from test_attention_kernels import selection, small_problem
 
@@ -63,9 +63,9 @@ def test_conversions_match_ml_dtypes():
                   1.00390625, 1.01171875, 1.0078125, 65504.0], np.float32),
         np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x00008000], np.uint32).view(np.float32),
         (rng.standard_normal(40) * 10.0 ** rng.integers(-30, 30, 40)).astype(np.float32)])
-    bits = cuda.to_device(np.zeros(x.size, np.uint16))
-    back = cuda.to_device(np.full(x.size, np.nan, np.float32))
-    k[1, 64](cuda.to_device(x), bits, back)
+    bits = to_device(np.zeros(x.size, np.uint16))
+    back = to_device(np.full(x.size, np.nan, np.float32))
+    k[1, 64](to_device(x), bits, back)
     want = x.astype(BF16)
     got = bits.copy_to_host().view(BF16)
     nan = np.isnan(x)
@@ -152,12 +152,12 @@ def test_index_scores_tiled_bf16(rng, monkeypatch, hi, strided):
     P = make_problem(lens, [5, 2, 1], page_size=64, Hi=hi, Di=32, D=8, dtype=BF16,
                      shared_index_table=False, seed=int(rng.integers(1 << 31)))
     G = 75 // 4
-    d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
+    d = [to_device(np.ascontiguousarray(a)) for a in _batch(P)]
     if strided:
         ic = P["index_cache"]
         wide = np.zeros(ic.shape[:2] + (2 * ic.shape[2],), BF16)
         wide[:, :, :ic.shape[2]] = ic
-        d[1] = cuda.to_device(wide)[:, :, :ic.shape[2]]
+        d[1] = to_device(wide)[:, :, :ic.shape[2]]
     prof = arch_profile((9, 0))
     assert K.tiled_supported(d[0], d[1], prof)
     sc = poison(cuda.device_array((P["qi"].shape[0], G), np.float32))
@@ -184,7 +184,7 @@ def _attend(p, tokens, counts, route, out_dtype=None, device=False):
     args = [p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens, counts, p["req_ids"],
             p["seq_lens"]]
     if device:
-        args = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
+        args = [to_device(np.ascontiguousarray(a)) for a in args]
         out, lse = (poison(cuda.device_array((rows, hq, d), od)),
                     poison(cuda.device_array((rows, hq), np.float32)))
     else:
@@ -299,7 +299,7 @@ def test_wrapper_bf16_device_arrays(seed, monkeypatch):
     p = _problem(seed)
     w = numqsa.QSAPrefillWrapper(Kb=5, dtype="bfloat16", **GEOM)
     w.plan(p["req_ids"], p["positions"], p["seq_lens"], p["block_table"], p["index_block_table"])
-    lay = [cuda.to_device(p[k]) for k in ("qi", "index_cache", "q", "k_cache", "v_cache")]
+    lay = [to_device(p[k]) for k in ("qi", "index_cache", "q", "k_cache", "v_cache")]
     rows = p["q"].shape[0]
     bufs = (poison(cuda.device_array((rows, 4, 32), BF16)),
             poison(cuda.device_array((rows, 4), np.float32)),
@@ -309,7 +309,7 @@ def test_wrapper_bf16_device_arrays(seed, monkeypatch):
     out, lse, tokens, counts = (b.copy_to_host() for b in res)
     assert out.dtype == BF16
     _check_prefill(p, out, lse, tokens, counts, 5)
-    t, c, _ = w.run_select(*[cuda.to_device(x.copy_to_host()) for x in lay[:2]])
+    t, c, _ = w.run_select(*[to_device(x.copy_to_host()) for x in lay[:2]])
     np.testing.assert_array_equal(t.copy_to_host(), tokens)
     o2, l2 = w.run_attention(lay[2], lay[3], lay[4], t, c)
     np.testing.assert_array_equal(o2.copy_to_host().view(np.uint16), out.view(np.uint16))
@@ -320,7 +320,7 @@ def test_void16_refused():
     """A 16-bit void array (bfloat16 seen through a bare __cuda_array_interface__) cannot be told
     apart from other 16-bit data: refused, naming the fix."""
     p = _problem(1)
-    q = cuda.to_device(p["q"].view(np.uint16).view("V2"))
+    q = to_device(p["q"].view(np.uint16).view("V2"))
     with pytest.raises(numqsa.QSAInputError, match="void16"):
         numqsa.qsa_prefill(p["qi"], p["index_cache"], p["index_block_table"], q, p["k_cache"],
                            p["v_cache"], p["block_table"], p["req_ids"], p["positions"],
@@ -489,8 +489,8 @@ def test_gpu_wrapper_bf16_torch_zero_copy_prepared_graph(seed, monkeypatch):
     def wrapper():
         return numqsa.QSAPrefillWrapper(Hi=4, Di=128, Hq=6, Hkv=1, D=256, r=4, Kb=512,
                                         dtype="bfloat16")
-    want = [_host(x) for x in wrapper().plan(*[cuda.to_device(p[k]) for k in meta]).run(
-        *[cuda.to_device(p[k]) for k in layer], return_selection=True)]
+    want = [_host(x) for x in wrapper().plan(*[to_device(p[k]) for k in meta]).run(
+        *[to_device(p[k]) for k in layer], return_selection=True)]
     tm, tl = [_to_torch(torch, p[k]) for k in meta], [_to_torch(torch, p[k]) for k in layer]
     w = wrapper().plan(*tm)
     got = w.run(*tl, return_selection=True)

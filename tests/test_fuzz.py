@@ -27,7 +27,7 @@ import oracle
 from numqsa import selection as sel
 from numqsa.kernels import index_scores as k_scores
 from numqsa.plan import arch_profile
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
 from oracle.problems import make_problem
 
 try:
@@ -47,8 +47,8 @@ SAMPLE_ROWS = 24
 pytestmark = pytest.mark.gpu
 
 
-def draw(seed):
-    """A random problem: ``(problem dict, Kb, description)``."""
+def draw(seed, dtype=None):
+    """A random problem: ``(problem dict, Kb, description)``; ``dtype`` overrides the drawn one."""
     rng = np.random.default_rng(seed)
     nreq = int(rng.integers(1, 9))
     lens = np.exp(rng.uniform(0, np.log(131072), nreq)).astype(np.int64) + 1
@@ -70,7 +70,8 @@ def draw(seed):
     page_size = int(rng.choice([16, 64, 784]))
     hq, hkv = GEOMETRIES[int(rng.integers(len(GEOMETRIES)))]
     u = rng.random()
-    dtype = np.float16 if u < 0.5 else (BF16 if u < 0.75 else np.float32)
+    if dtype is None:
+        dtype = np.float16 if u < 0.5 else (BF16 if u < 0.75 else np.float32)
     shared = bool(rng.random() < 0.5)
     # rows sit at random positions, so their visible groups fall on both sides of any of these
     kb = int(rng.choice([8, 61, 512]))
@@ -108,7 +109,7 @@ def check_problem(p, kb, desc, seed):
     idx = np.sort(np.random.default_rng(seed).choice(rows, size=min(rows, SAMPLE_ROWS),
                                                      replace=False))
     sp = _sub(p, idx)
-    d = [cuda.to_device(np.ascontiguousarray(p[k])) for k in BATCH]
+    d = [to_device(np.ascontiguousarray(p[k])) for k in BATCH]
     ref_s = oracle.index_scores(*[sp[k] for k in BATCH], num_groups=int(p["seq_lens"].max()) // R)
     name = np.dtype(p["qi"].dtype).name
     with replay_hint(desc):
@@ -132,7 +133,7 @@ def check_problem(p, kb, desc, seed):
         # attention on the kernel's own selection
         eo, el = oracle.sparse_attention(sp["q"], p["k_cache"], p["v_cache"], p["block_table"],
                                          tok[idx], cnt[idx], sp["req_ids"], p["seq_lens"])
-        dq, dk, dv, dt, dr, dl = (cuda.to_device(np.ascontiguousarray(p[k])) for k in
+        dq, dk, dv, dt, dr, dl = (to_device(np.ascontiguousarray(p[k])) for k in
                                   ("q", "k_cache", "v_cache", "block_table", "req_ids", "seq_lens"))
         tensor_cores = ("float16", "bfloat16") if prof.attention.mma == "m16n8k16" else ("float16",)
         for route in ATTENTION_ROUTES:
@@ -157,6 +158,16 @@ def test_fuzz(k):
     check_problem(p, kb, desc, seed)
 
 
+@pytest.mark.parametrize("k", range(4))
+def test_fuzz_bf16(k):
+    """Draws forced to bfloat16 (the fixed seed set draws it only on a small problem): Kb 8, 8,
+    61 and 512 over contexts up to 131K, page sizes 16 and 64, Hq/Hkv 6/1 and 3/1."""
+    seed = BASE + 2000 + k
+    p, kb, desc = draw(seed, dtype=BF16)
+    print(desc)
+    check_problem(p, kb, desc, seed)
+
+
 @pytest.mark.parametrize("arch", ["sm_70"])
 def test_fuzz_sm70(arch, monkeypatch):
     """One draw on the emulated m8n8k4 kernels (slow on an H200: one seed)."""
@@ -171,7 +182,7 @@ def test_fuzz_sm70(arch, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 def _prefill(p, kb, stream):
-    d = [cuda.to_device(np.ascontiguousarray(p[k]), stream=stream) for k in
+    d = [to_device(np.ascontiguousarray(p[k]), stream=stream) for k in
          ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
           "req_ids", "positions", "seq_lens")]
     return numqsa.qsa_prefill(*d, Kb=kb, num_groups=int(p["seq_lens"].max()) // R,

@@ -21,7 +21,7 @@ from numqsa.kernels import attention as k_attention
 from numqsa.kernels import index_scores as k_scores
 from numqsa.kernels import topk as k_topk
 from numqsa.plan import arch_profile
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
 from oracle.problems import make_problem
 
 try:
@@ -71,12 +71,12 @@ def _attention_case(rng, hq, hkv, d, dtype, page_size=16, seq_lens=(27, 10), kb=
 def _run_generic(p, tokens, counts, out_dtype):
     """The generic kernel alone, on device arrays, into NaN-poisoned outputs."""
     rows, hq, d = p["q"].shape
-    dv = [cuda.to_device(np.ascontiguousarray(p[k])) for k in ("q", "k_cache", "v_cache",
+    dv = [to_device(np.ascontiguousarray(p[k])) for k in ("q", "k_cache", "v_cache",
                                                                  "block_table")]
     out = poison(cuda.device_array((rows, hq, d), out_dtype))
     lse = poison(cuda.device_array((rows, hq), np.float32))
-    k_attention.launch_attention(*dv, cuda.to_device(tokens), cuda.to_device(counts),
-                                 cuda.to_device(p["req_ids"]), cuda.to_device(p["seq_lens"]),
+    k_attention.launch_attention(*dv, to_device(tokens), to_device(counts),
+                                 to_device(p["req_ids"]), to_device(p["seq_lens"]),
                                  1.0 / np.sqrt(d), out, lse, arch_profile((9, 0)), 0)
     return out.copy_to_host(), lse.copy_to_host()
 
@@ -153,7 +153,7 @@ def test_index_scores_light_geometry(rng, hi, di, dtype):
     p = _index_case(rng, hi, di, dtype, page_size=784 if hi == 4 else 16, shared=hi != 4)
     want = oracle.index_scores(*_batch(p))
     out = poison(cuda.device_array(want.shape, np.float32))
-    k_scores.launch_light(*[cuda.to_device(np.ascontiguousarray(a)) for a in _batch(p)], out,
+    k_scores.launch_light(*[to_device(np.ascontiguousarray(a)) for a in _batch(p)], out,
                           arch_profile((9, 0)), 0)
     # bfloat16 inputs are exact: its scores carry float32 accumulation only (float16's tolerance)
     tol = "float16" if np.dtype(dtype).name == "bfloat16" else dtype
@@ -175,7 +175,7 @@ def test_index_scores_tiled_geometry(rng, monkeypatch, arch, variant, dtype, hi,
     p = _index_case(rng, hi, di, dtype)
     want = oracle.index_scores(*_batch(p))
     out = poison(cuda.device_array(want.shape, np.float32))
-    d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(p)]
+    d = [to_device(np.ascontiguousarray(a)) for a in _batch(p)]
     prof = arch_profile((9, 0))
     k_scores.launch_tiled(*d, out, prof, 0, variant=variant)
     assert_matches_oracle(out.copy_to_host(), want, dtype="float16",
@@ -192,7 +192,7 @@ def test_topk_boundaries(rng, bitmap):
                    np.int32)
     s = np.maximum(rng.standard_normal((req.size, G)), 0).astype(np.float32)
     out = poison(cuda.device_array((req.size, kb), np.int32))
-    k_topk.launch_topk(*[cuda.to_device(x) for x in (s.view(np.uint32), req, pos, lens)], out,
+    k_topk.launch_topk(*[to_device(x) for x in (s.view(np.uint32), req, pos, lens)], out,
                        arch_profile((9, 0)), 0, bitmap=bitmap)
     want = oracle.topk_groups(s.astype(np.float64), req, pos, lens, Kb=kb)
     np.testing.assert_array_equal(out.copy_to_host(), want)
@@ -276,13 +276,13 @@ def test_gpu_attention_geometry(hq, hkv, d, dtype, route, seed):
         pytest.skip("no bfloat16 tensor cores on sm_70: bfloat16 has the generic route only")
     rows = 1024
     p, tokens, counts = gpu_attention_case(hq, hkv, dtype, rows, 32768, seed)
-    d_ = {k: cuda.to_device(np.ascontiguousarray(p[k])) for k in ("q", "k_cache", "v_cache",
+    d_ = {k: to_device(np.ascontiguousarray(p[k])) for k in ("q", "k_cache", "v_cache",
                                                                    "block_table", "req_ids",
                                                                    "seq_lens")}
     out = poison(cuda.device_array((rows, hq, d), dtype))
     lse = poison(cuda.device_array((rows, hq), np.float32))
     numqsa.sparse_attention(d_["q"], d_["k_cache"], d_["v_cache"], d_["block_table"],
-                            cuda.to_device(tokens), cuda.to_device(counts), d_["req_ids"],
+                            to_device(tokens), to_device(counts), d_["req_ids"],
                             d_["seq_lens"], route_name=route, out=(out, lse))
     o, l = out.copy_to_host(), lse.copy_to_host()
     assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(l).all(), \
