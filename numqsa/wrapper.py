@@ -69,6 +69,15 @@ class QSAPrefillWrapper:
     (:data:`numqsa.selection.SELECT_SCORE_BYTES` by default, see :func:`numqsa.select`).
     Dtypes: ``"float16"``, ``"bfloat16"`` (torch.bfloat16 / ml_dtypes.bfloat16 arrays; tensor cores
     on sm_80+, the FMA routes on sm_70) or ``"float32"``.
+
+    Device memory the wrapper keeps beyond the caller's arrays (``G = num_groups``, ``P`` pieces of
+    128 pages of a row's ``Kb + 1`` page-4 pages, ``P = max(1, (Kb + 1) // 128)``): the selection's
+    ``min(rows, score_bytes // (4*G)) * G * 4`` bytes of scores plus ``rows * Kb * 4`` (groups, when
+    the caller does not take them) and its outputs when not given; the grouped attention route's
+    ``rows * (Kb + 1) * 12`` (page plan, own-page lists), ``ceil(rows / 8) * P * 8 * min(Kb + 1, 256)
+    * 8`` (window unions) and, when ``P > 1``, ``rows * Hq * P * (D + 2) * 4`` (pieces before their
+    merge). 16,384 rows at 1M tokens (Kb 512, Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores
+    (``bench/bench_million.py``; a chain holding all the scores would need 16 GiB for them alone).
     """
 
     def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
