@@ -110,17 +110,7 @@ def run(arch, routes, quick, seed=7):
         ok(f"{name} index_queries")
         # index scores: light and the tensor-core variants of this architecture
         ref_s = oracle.index_scores(*[p[k] for k in BATCH])
-        variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")]
-                                        if arch == "sm_90" else [("tiled", None)])
-        for route, variant in variants:
-            sc = poison(cuda.device_array(ref_s.shape, np.float32))
-            if route == "light":
-                k_scores.launch_light(*d, sc, prof, 0)
-            else:
-                k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
-            assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",
-                                  what=f"{route} {variant} scores")
-            ok(f"{name} index_scores {route}{'/' + variant if variant else ''}")
+        sc = scores_variants(arch, prof, d, ref_s, ok, name, "", sm70_tiled=True)
         # top-k, both kernels, on the kernel's own scores (exact)
         own = sc.copy_to_host()
         kb = 8
@@ -178,6 +168,24 @@ def run(arch, routes, quick, seed=7):
     return n
 
 
+def scores_variants(arch, prof, d, ref_s, ok, name, label, sm70_tiled):
+    """Index scores by the light kernel and this architecture's tensor-core variants (sm_70's
+    m8n8k4 one only when ``sm70_tiled``: it takes float16), each against the oracle; returns the
+    last variant's scores (device)."""
+    variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")] if arch == "sm_90"
+                                    else [("tiled", None)] if sm70_tiled else [])
+    for route, variant in variants:
+        sc = poison(cuda.device_array(ref_s.shape, np.float32))
+        if route == "light":
+            k_scores.launch_light(*d, sc, prof, 0)
+        else:
+            k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
+        assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",
+                              what=f"{label}{route} {variant} scores")
+        ok(f"{name} index_scores {label}{route}{'/' + variant if variant else ''}")
+    return sc
+
+
 def bf_selection(arch, prof, p, s, ok, name):
     """bfloat16 pre-indexer (mean rounded to bfloat16, stored in a bfloat16 cache) and scores."""
     pb = {k: (v.astype(BF16) if v.dtype == np.float16 else v) for k, v in p.items()}
@@ -203,17 +211,7 @@ def bf_selection(arch, prof, p, s, ok, name):
                           dtype="bfloat16", what="bf16 index_queries")
     ok(f"{name} index_queries bf16")
     ref_s = oracle.index_scores(*[pb[k] for k in BATCH])
-    variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")]
-                                    if arch == "sm_90" else [])
-    for route, variant in variants:
-        sc = poison(cuda.device_array(ref_s.shape, np.float32))
-        if route == "light":
-            k_scores.launch_light(*d, sc, prof, 0)
-        else:
-            k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
-        assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",
-                              what=f"bf16 {route} {variant} scores")
-        ok(f"{name} index_scores bf16 {route}{'/' + variant if variant else ''}")
+    scores_variants(arch, prof, d, ref_s, ok, name, "bf16 ", sm70_tiled=False)
 
 
 def bf_attention(arch, pa, tokens, counts, tok_h, cnt_h, da, routes, ok, what):

@@ -7,6 +7,7 @@ import oracle
 from oracle.batch import row_states
 
 __all__ = ["Tolerance", "TOLERANCES", "compare", "assert_matches_oracle", "assert_selection_matches",
+           "groups_of_tokens",
            "poison", "to_device", "INT_POISON"]
 
 INT_POISON = -7777   # no valid output (ids, counts, -1 padding) takes this value
@@ -97,6 +98,19 @@ def assert_selection_matches(groups, tokens, counts, oracle_scores, req_ids, pos
         assert missed.size == 0, f"row {i}: groups {missed[:5]} score above the band but were not chosen"
         assert extra.size == 0, f"row {i}: groups {extra[:5]} score below the band but were chosen"
     assert not np.any(g[~live] >= 0), "inert rows selected groups"
+
+
+def groups_of_tokens(tokens, counts, Kb, r=4):
+    """``int64 [rows, Kb]``: the whole groups of an expansion read back from its tokens (each group's
+    ``r`` tokens in order, the partial tail last), -1 padded -- a selection's groups when only its
+    tokens were returned."""
+    tokens, counts = np.asarray(tokens), np.asarray(counts)
+    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
+    for i in range(tokens.shape[0]):
+        g = tokens[i, :counts[i]][::r] // r
+        g = g[r * np.arange(g.size) + r - 1 < counts[i]]
+        groups[i, :g.size] = g
+    return groups
 
 
 def poison(x):

@@ -15,7 +15,8 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import selection as sel
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
+from numqsa.testing import (assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison,
+                            to_device)
 from oracle.problems import make_problem
 from test_attention_kernels import selection, small_problem
 
@@ -77,35 +78,6 @@ def test_conversions_match_ml_dtypes():
 # ------------------------------------------------------------------------------------------------
 # Pre-indexer
 # ------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("emulate", [None, "bfloat16"])
-def test_index_keys_bf16(rng, emulate):
-    G, r, di = 5, 4, 32
-    lens = np.array([64, 41], np.int32)
-    P = make_problem(lens, [1, 1], page_size=16, Di=di, Hi=2, D=8, dtype=BF16,
-                     shared_index_table=False, seed=int(rng.integers(1 << 31)))
-    k_raw = rng.standard_normal((G, r, di)).astype(BF16)
-    w = (0.1 * rng.standard_normal(di)).astype(BF16)
-    reqs = np.array([0, 0, 1, 0, 1], np.int32)
-    eids = np.array([0, 15, 9, 7, 1], np.int32)
-    ic_kernel, ic_oracle = P["index_cache"].copy(), P["index_cache"].copy()
-    em = None if emulate is None else BF16
-    kc = sel.index_keys(k_raw, w, reqs, eids, ic_kernel, P["index_block_table"], rot=16,
-                        emulate_dtype=em)
-    want = oracle.index_keys(k_raw, w, reqs, eids, ic_oracle, P["index_block_table"], rot=16,
-                             emulate_dtype=em)
-    assert ic_kernel.dtype == BF16
-    # a float32 and a float64 mean on either side of a bfloat16 rounding boundary: one ulp apart
-    assert_matches_oracle(kc, want, dtype="float32" if emulate is None else "bfloat16", what="kc")
-    assert_matches_oracle(ic_kernel, ic_oracle, dtype="bfloat16", what="index_cache")
-    slots = (P["index_block_table"][reqs, eids // ic_kernel.shape[1]], eids % ic_kernel.shape[1])
-    # the kernel's own float32 key, rounded once on storage
-    np.testing.assert_array_equal(ic_kernel[slots].view(np.uint16), kc.astype(BF16).view(np.uint16))
-    untouched = np.ones(ic_kernel.shape[:2], bool)
-    untouched[slots] = False
-    np.testing.assert_array_equal(ic_kernel[untouched].view(np.uint16),
-                                  P["index_cache"][untouched].view(np.uint16))
-
 
 def test_index_queries_bf16(rng):
     lens = np.array([9, 0, 30], np.int32)
@@ -274,12 +246,8 @@ def _problem(seed):
 def _check_prefill(p, out, lse, tokens, counts, Kb):
     batch = (p["req_ids"], p["positions"], p["seq_lens"])
     scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
-    for i in range(tokens.shape[0]):
-        g = tokens[i, :counts[i]][::4] // 4
-        g = g[4 * np.arange(g.size) + 3 < counts[i]]
-        groups[i, :g.size] = g
-    assert_selection_matches(groups, tokens, counts, scores, *batch, Kb=Kb)
+    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
+                             Kb=Kb)
     _check(p, tokens, counts, out, lse)
 
 
@@ -384,12 +352,8 @@ def test_gpu_prefill_bf16_real_shape(hq, hkv, seed):
     batch = (p["req_ids"][rs], p["positions"][rs], p["seq_lens"])
     sub = dict(p, qi=p["qi"][rs], q=p["q"][rs], req_ids=batch[0], positions=batch[1])
     scores = oracle.index_scores(sub["qi"], p["index_cache"], p["index_block_table"], *batch)
-    groups = np.full((rs.size, 512), -1, np.int64)
-    for n, i in enumerate(rs):
-        g = tokens[i, :counts[i]][::4] // 4
-        g = g[4 * np.arange(g.size) + 3 < counts[i]]
-        groups[n, :g.size] = g
-    assert_selection_matches(groups, tokens[rs], counts[rs], scores, *batch, Kb=512)
+    assert_selection_matches(groups_of_tokens(tokens[rs], counts[rs], 512), tokens[rs], counts[rs],
+                             scores, *batch, Kb=512)
     eo, el = oracle.sparse_attention(sub["q"], p["k_cache"], p["v_cache"], p["block_table"],
                                      tokens[rs], counts[rs], batch[0], p["seq_lens"])
     assert_matches_oracle(out[rs], eo, dtype="bfloat16", what="out")

@@ -5,7 +5,7 @@ import pytest
 
 import numqsa
 import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens
 from oracle.problems import make_problem
 
 ARGS = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
@@ -31,12 +31,8 @@ def check_against_oracle(p, result, Kb):
     out, lse, tokens, counts = result
     batch = (p["req_ids"], p["positions"], p["seq_lens"])
     scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
-    for i in range(tokens.shape[0]):            # the kernel's groups, read back from its tokens
-        g = tokens[i, :counts[i]][::4] // 4
-        g = g[4 * np.arange(g.size) + 3 < counts[i]]
-        groups[i, :g.size] = g
-    assert_selection_matches(groups, tokens, counts, scores, *batch, Kb=Kb)
+    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
+                             Kb=Kb)
     ref_out, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
                                                tokens, counts, p["req_ids"], p["seq_lens"])
     assert_matches_oracle(out, ref_out, dtype=p["q"].dtype, what="out")

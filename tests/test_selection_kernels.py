@@ -5,6 +5,7 @@ Simulator cases are tiny (Hi 2, Di 16-32, a few rows); ``@pytest.mark.gpu`` case
 on a GPU (the lead runs them on an H200, also with ``NUMQSA_ARCH=sm_70`` for the m8n8k4 path).
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -12,6 +13,8 @@ import oracle
 from oracle.problems import make_problem
 from numqsa import selection as sel
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 SMALL = dict(Hi=2, Di=16, D=8)
@@ -42,8 +45,8 @@ def _with_odd_rows(P, rng):
 # Pre-indexer
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("emulate", [None, np.float16])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, BF16], ids=["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("emulate", [False, True])
 def test_index_keys(rng, dtype, emulate):
     G, r, di = 5, 4, 32
     lens = np.array([64, 41], np.int32)
@@ -54,18 +57,26 @@ def test_index_keys(rng, dtype, emulate):
     reqs = np.array([0, 0, 1, 0, 1], np.int32)
     eids = np.array([0, 15, 9, 7, 1], np.int32)
     ic_kernel, ic_oracle = P["index_cache"].copy(), P["index_cache"].copy()
+    half = BF16 if dtype == BF16 else np.float16          # the reference's rounding of the mean
+    em = half if emulate else None
     kc = sel.index_keys(k_raw, w, reqs, eids, ic_kernel, P["index_block_table"], rot=16,
-                        emulate_dtype=emulate)
+                        emulate_dtype=em)
     want = oracle.index_keys(k_raw, w, reqs, eids, ic_oracle, P["index_block_table"], rot=16,
-                             emulate_dtype=emulate)
-    # Emulated rounding puts the pooled mean on the float16 grid: a float32 and a float64 mean on
-    # either side of a rounding boundary then differ by one float16 ulp, so float16's tolerance.
-    assert_matches_oracle(kc, want, dtype="float32" if emulate is None else "float16", what="kc")
-    assert_matches_oracle(ic_kernel, ic_oracle, dtype=dtype, what="index_cache")
+                             emulate_dtype=em)
+    assert ic_kernel.dtype == dtype
+    # Emulated rounding puts the pooled mean on the 16-bit grid: a float32 and a float64 mean on
+    # either side of a rounding boundary then differ by one ulp of it, so that type's tolerance.
+    assert_matches_oracle(kc, want, dtype="float32" if not emulate else np.dtype(half).name,
+                          what="kc")
+    assert_matches_oracle(ic_kernel, ic_oracle, dtype=np.dtype(dtype).name, what="index_cache")
+    bits = f"u{np.dtype(dtype).itemsize}"
+    slots = (P["index_block_table"][reqs, eids // ic_kernel.shape[1]], eids % ic_kernel.shape[1])
+    if dtype == BF16:       # the kernel's own float32 key, rounded once on storage
+        np.testing.assert_array_equal(ic_kernel[slots].view(bits), kc.astype(dtype).view(bits))
     untouched = np.ones(ic_kernel.shape[:2], bool)
-    tab = P["index_block_table"]
-    untouched[tab[reqs, eids // ic_kernel.shape[1]], eids % ic_kernel.shape[1]] = False
-    np.testing.assert_array_equal(ic_kernel[untouched], P["index_cache"][untouched])
+    untouched[slots] = False
+    np.testing.assert_array_equal(ic_kernel[untouched].view(bits),
+                                  P["index_cache"][untouched].view(bits))
 
 
 def test_index_keys_rope_positions_and_strided_cache(rng):

@@ -6,7 +6,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens
 from oracle.problems import make_problem
 
 GEOM = dict(Hi=2, Di=32, Hq=4, Hkv=2, D=32)
@@ -29,12 +29,8 @@ def layer(p):
 def check(p, out, lse, tokens, counts, Kb):
     batch = (p["req_ids"], p["positions"], p["seq_lens"])
     scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    groups = np.full((tokens.shape[0], Kb), -1, np.int64)
-    for i in range(tokens.shape[0]):
-        g = tokens[i, :counts[i]][::4] // 4
-        g = g[4 * np.arange(g.size) + 3 < counts[i]]
-        groups[i, :g.size] = g
-    assert_selection_matches(groups, tokens, counts, scores, *batch, Kb=Kb)
+    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
+                             Kb=Kb)
     ref, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
                                            tokens, counts, p["req_ids"], p["seq_lens"])
     assert_matches_oracle(out, ref, dtype=p["q"].dtype, what="out")
