@@ -79,20 +79,6 @@ def test_conversions_match_ml_dtypes():
 # Pre-indexer
 # ------------------------------------------------------------------------------------------------
 
-def test_index_queries_bf16(rng):
-    lens = np.array([9, 0, 30], np.int32)
-    req = np.array([0, 0, 2, 1, 5, 2, 0], np.int32)
-    pos = np.array([8, 20, 29, 0, 1, -2, 0], np.int32)     # stale, inert x3
-    q_raw = rng.standard_normal((7, 2, 32)).astype(BF16)
-    w = (0.1 * rng.standard_normal(32)).astype(BF16)
-    out = poison(np.empty((7, 2, 32), BF16))
-    got = sel.index_queries(q_raw, w, req, pos, lens, rot=16, out=out)
-    assert got is out and got.dtype == BF16
-    want = oracle.index_queries(q_raw, w, req, pos, lens, rot=16)
-    assert_matches_oracle(got, want, dtype="bfloat16", what="qi")
-    assert not got[[3, 4, 5]].astype(np.float32).any(), "inert rows must be exactly 0"
-
-
 # ------------------------------------------------------------------------------------------------
 # Index scores
 # ------------------------------------------------------------------------------------------------
