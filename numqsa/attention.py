@@ -249,12 +249,12 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     ps = V._rank(pages, "pages", 3, "[rows, Kb+1, 2]")
     if ps[0] != rows or ps[2] != 2:
         raise V.QSAInputError(f"pages shape {ps} does not match {rows} rows x (page, slot)")
-    why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r, route(rows, page_size, r).profile)
+    prof = route(rows, page_size, r).profile
+    why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r, prof)
     if why:
         raise V.QSAInputError(f"page4_attention: {why}")
     od = _out_dtype(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
-    prof = route(rows, page_size, r).profile
     stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from .jit import SIMULATOR
+from .kernels.common import is_bf16
 from .plan import PROFILES
 
 __all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
@@ -151,22 +152,18 @@ def as_numba(x, name="array"):
     return cuda.as_cuda_array(x, sync=False)
 
 
-def _is_bf16_dtype(dt):
-    return getattr(dt, "name", None) == "bfloat16"
-
-
 def to_device(a, stream=0):
     """``cuda.to_device`` that also takes ``ml_dtypes.bfloat16``: numba's host copies go through
     the buffer protocol, which NumPy refuses for that dtype, so its bits travel as uint16."""
     a = np.ascontiguousarray(a)
-    if _is_bf16_dtype(a.dtype):
+    if is_bf16(a):
         return cuda.to_device(a.view(np.uint16), stream=stream).view(a.dtype)
     return cuda.to_device(a, stream=stream)
 
 
 def copy_to_device(buf, host, stream=0):
     """``buf.copy_to_device(host)``, bfloat16 included (as uint16 bits, see :func:`to_device`)."""
-    if _is_bf16_dtype(np.dtype(host.dtype)):
+    if is_bf16(host):
         buf.view(np.uint16).copy_to_device(np.ascontiguousarray(host).view(np.uint16),
                                            stream=stream)
     else:
