@@ -450,6 +450,28 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     else:
                         cp_async_16(dynr, dst, kw, off, 16)
 
+    def make_pv(masked):
+        """O^T += V^T P^T over the chunk's 16 tokens, V rows ANDed with the token masks when
+        ``masked`` (a compile-time choice: the full chunks skip the 64 masking instructions)."""
+        @device_jit(forceinline=True)
+        def pv(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, mka, mkb):
+            for mt in range(NKS):
+                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
+                                                                        ^ keyv)), scr, lane)
+                cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
+                if masked:
+                    res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc,
+                              scr, lane)
+                else:
+                    res = mma(a, (bq0, bq1), cc, scr, lane)
+                oacc[4 * mt] = res[0]
+                oacc[4 * mt + 1] = res[1]
+                oacc[4 * mt + 2] = res[2]
+                oacc[4 * mt + 3] = res[3]
+        return pv
+
+    pv_full, pv_masked = make_pv(False), make_pv(True)
+
     @device_jit(forceinline=True)
     def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, scale):
         """One chunk (own pages k0..k0+3): online-softmax update of ``oacc`` and ``ml``."""
@@ -527,29 +549,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         # chunk that has such a page (a row's last); k0..k0+3 are the same in every lane
         if k0 + int32(3) < k1 - int32(1) or (k0 + int32(3) == k1 - int32(1) and
                                                (k1 < nv or tl == int32(0))):
-            for mt in range(NKS):
-                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
-                                                                        ^ keyv)), scr, lane)
-                cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
-                res = mma(a, (bq0, bq1), cc, scr, lane)
-                oacc[4 * mt] = res[0]
-                oacc[4 * mt + 1] = res[1]
-                oacc[4 * mt + 2] = res[2]
-                oacc[4 * mt + 3] = res[3]
+            pv_full(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
             mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
             mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
-            for mt in range(NKS):
-                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
-                                                                        ^ keyv)), scr, lane)
-                cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
-                res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr,
-                          lane)
-                oacc[4 * mt] = res[0]
-                oacc[4 * mt + 1] = res[1]
-                oacc[4 * mt + 2] = res[2]
-                oacc[4 * mt + 3] = res[3]
+            pv_masked(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, mka, mkb)
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
                windows, wunion, wmeta, ownu, nf, scale, out, lse, part_o, part_ml):
