@@ -2,8 +2,11 @@
 
 Why: numba's dispatcher marshals every argument on every launch (about 5 us per array argument on
 the H200); a QSA layer launches 4-6 kernels with 10-17 arrays each. A :class:`Program` does that
-work once and then each replay only writes the changed pointers into a prepared parameter buffer
-and calls ``cuLaunchKernel`` (``cuda.bindings``, which numba-cuda already depends on).
+work once; a replay then launches one CUDA graph of the stage's kernels (``cuGraphLaunch``), after
+re-pointing only the graph nodes whose input pointers changed since the last replay
+(``cuGraphExecKernelNodeSetParams``), through ``cuda.bindings``, which numba-cuda already depends on.
+Measured on the H200 with the GPU busy: one ``cuLaunchKernel`` costs 7-8 us of host time through
+``cuda.bindings`` (9-11 us through ``ctypes``), a graph launch of all eight kernels of a prefill 6 us.
 
 Contract for a stage launcher (``numqsa/kernels/*.py`` ``launch_*``):
 
@@ -22,9 +25,13 @@ Under :func:`recording` nothing is launched: each launch is appended to a list a
 :class:`Record` ``(kernel, grid, block, smem, args, callbacks)``. :class:`Program` turns records
 plus the caller's "input" arrays (those whose memory may change between replays) into a replayable
 sequence: array arguments that lie inside an input's memory are re-based on each replay; all other
-arguments are frozen. On a GPU the replay is ``cuLaunchKernel`` with a prepared ``void**``; in the
-numba CUDA simulator (no driver) it rebuilds the views and calls the dispatcher, as it does on a GPU
-when ``NUMQSA_PREPARED_LAUNCH=0`` (for comparisons) or when an argument kind is not understood.
+arguments are frozen. On a GPU the replay is the graph above, or ``cuLaunchKernel`` per kernel with
+a prepared ``void**`` while the caller's stream is being captured into the caller's own graph (and
+with ``NUMQSA_GRAPH_LAUNCH=0``); in the numba CUDA simulator (no driver) it rebuilds the views and
+calls the dispatcher, as it does on a GPU when ``NUMQSA_PREPARED_LAUNCH=0`` (for comparisons) or when
+an argument kind is not understood. A graph launch runs the same kernels with the same parameters as
+the direct launches (same bits); launches of one program on two streams are ordered one after the
+other (one graph executable per program).
 """
 import ctypes
 import os
@@ -214,6 +221,11 @@ class Program:
                 self.fallback_reason = f"{type(err).__name__}: {err}"
         if self.fast:
             self._release_inputs()
+        self._exec = None           # the CUDA graph executable (built on the first replay)
+        self._graph_state = None    # the input pointers its nodes hold
+        self._storage_state = None  # the input pointers the parameter buffer holds
+        self.graph = (self.fast and
+                      os.environ.get("NUMQSA_GRAPH_LAUNCH", "1").strip() != "0")
 
     def _release_inputs(self):
         """Drop the recorded arrays that lie in an input (a replay re-points them anyway), so a kept
@@ -234,6 +246,7 @@ class Program:
         from numba.core import types
         self._cu = cu
         self._ok = cu.CUresult.CUDA_SUCCESS
+        self._not_capturing = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
         chunks, launches, patch_slots, patch_inputs, patch_offsets = [], [], [], [], []
         nslots = 0
         for rec, pts in zip(self.records, self.patches):
@@ -281,12 +294,67 @@ class Program:
         self._launches = [(fn, g, b, s, int(pointers.ctypes.data) + 8 * first)
                           for fn, g, b, s, first, _ in launches]
         self._patch = list(zip(patch_slots, patch_inputs, patch_offsets))
+        # the launches whose parameters hold an input pointer: the graph nodes a replay re-points
+        bounds = [first for _, _, _, _, first, _ in launches] + [nslots]
+        self._patched_launches = sorted({next(i for i in range(len(launches))
+                                              if bounds[i] <= slot < bounds[i + 1])
+                                         for slot in patch_slots})
+        self._inputs_used = sorted(set(patch_inputs))
+
+    # -- GPU: the launches as one graph ---------------------------------------------------------
+    def _build_graph(self):
+        """One CUDA graph of the launches (a chain), instantiated; its nodes' parameters are copies
+        of the parameter buffer as it is now."""
+        cu = self._cu
+        err, graph = cu.cuGraphCreate(0)
+        self._check(err, "cuGraphCreate")
+        nodes, prev = [], []
+        for fn, g, b, smem, params in self._launches:
+            node_params = cu.CUDA_KERNEL_NODE_PARAMS()
+            node_params.kern = cu.CUkernel(int(fn))    # numba-cuda loads libraries: a CUkernel
+            node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = g
+            node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = b
+            node_params.sharedMemBytes = smem
+            node_params.kernelParams = params
+            err, node = cu.cuGraphAddKernelNode(graph, prev, len(prev), node_params)
+            self._check(err, "cuGraphAddKernelNode")
+            nodes.append((node, node_params))
+            prev = [node]
+        err, exe = cu.cuGraphInstantiate(graph, 0)
+        self._check(err, "cuGraphInstantiate")
+        self._graph_handle, self._exec = graph, exe
+        self._nodes = [nodes[i] for i in self._patched_launches]
+
+    def _check(self, err, what):
+        if err != self._ok:
+            raise RuntimeError(f"{what} failed: {err}")
+
+    def _capturing(self, stream_handle):
+        err, status = self._cu.cuStreamIsCapturing(stream_handle)
+        if err != self._ok:
+            raise RuntimeError(f"cuStreamIsCapturing failed: {err}")
+        return status != self._not_capturing
+
+    def __del__(self):
+        exe = getattr(self, "_exec", None)
+        if exe is not None:
+            try:
+                self._cu.cuGraphExecDestroy(exe)
+                self._cu.cuGraphDestroy(self._graph_handle)
+            except Exception:
+                pass
 
     def __call__(self, ptrs, stream_handle=0, views=None):
         if self.fast:
-            st = self._storage
-            for slot, j, off in self._patch:
-                st[slot] = ptrs[j] + off
+            state = tuple(ptrs[j] for j in self._inputs_used)
+            if state != self._storage_state:
+                st = self._storage
+                for slot, j, off in self._patch:
+                    st[slot] = ptrs[j] + off
+                self._storage_state = state
+            if self.graph and not self._capturing(stream_handle) and \
+                    self._graph_replay(state, stream_handle):
+                return
             launch_kernel = self._cu.cuLaunchKernel
             ok = self._ok
             for fn, g, b, smem, params in self._launches:
@@ -296,6 +364,28 @@ class Program:
                     raise RuntimeError(f"cuLaunchKernel failed: {err}")
             return
         self._replay_dispatch(ptrs, stream_handle, views)
+
+    def _graph_replay(self, state, stream_handle):
+        """Launch the graph re-pointed at ``state``; False if graphs cannot be built here."""
+        cu = self._cu
+        if self._exec is None:
+            try:
+                self._build_graph()
+            except Exception as err:        # no graphs here: launch one by one from now on
+                self.graph = False
+                self.fallback_reason = f"no graph launch: {type(err).__name__}: {err}"
+                return False
+        elif state != self._graph_state:
+            exe, ok = self._exec, self._ok
+            for node, node_params in self._nodes:
+                err, = cu.cuGraphExecKernelNodeSetParams(exe, node, node_params)
+                if err != ok:
+                    raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed: {err}")
+        self._graph_state = state
+        err, = cu.cuGraphLaunch(self._exec, stream_handle)
+        if err != self._ok:
+            raise RuntimeError(f"cuGraphLaunch failed: {err}")
+        return True
 
     # -- simulator / fallback: rebuild the views, call the dispatcher ---------------------------
     def _replay_dispatch(self, ptrs, stream_handle, views):

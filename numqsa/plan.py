@@ -85,10 +85,11 @@ PROFILES = {
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
         name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=228 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=132,
-        # tiled admission: H200, keys-as-M kernel (8 warps) vs light, GPU-only ms behind a spin
-        # (.gpu/scores_probe.py, session 3): 1 x 32K ctx 0.015 / 0.023, 4 x 32K 0.015 / 0.027,
-        # 16 x 32K 0.016 / 0.037, 1 x 131K 0.030 / 0.049, 16 x 131K 0.032 / 0.111, 256 x 131K
-        # 0.115 / 1.42; earlier 512 x 32K 0.079 / 0.796: tiled wins at every point, so from 1 row
+        # tiled admission: H200, keys-as-M kernel (8 warps, before its cp.async pipeline) vs
+        # light, GPU-only ms behind a spin (.gpu/scores_probe.py, session 3): 1 x 32K ctx 0.015 /
+        # 0.023, 4 x 32K 0.015 / 0.027, 16 x 32K 0.016 / 0.037, 1 x 131K 0.030 / 0.049, 16 x 131K
+        # 0.032 / 0.111, 256 x 131K 0.115 / 1.42; earlier 512 x 32K 0.079 / 0.796: tiled wins at
+        # every point, so from 1 row (the pipelined 4-warp kernel: 1 x 131K 0.017)
         scores=ScoresProfile(mma="m16n8k16", tiled_min_rows=1, tiled_min_elems=0),
         topk=TopkProfile(),
         # page4_min_rows: the grouped kernel (numqsa.kernels.grouped) wins from one row: H200, 32K

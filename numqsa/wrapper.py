@@ -10,8 +10,10 @@ The first ``run`` for a new layout (dtypes, shapes, strides, pointer alignment o
 checks the arrays against the geometry and the plan's tables, then *records* the stage launchers'
 kernel launches (nothing runs while recording, so every check happens before any launch) into a
 :class:`numqsa.launch.Program`. Later runs of that layout re-point the recorded launches at the new
-arrays and launch them through ``cuLaunchKernel`` with prepared parameters: no argument marshalling,
-no allocation (with ``out=``), no synchronisation. Up to ``max_programs`` layouts are kept.
+arrays and launch them as one CUDA graph (``cuGraphLaunch``; only the graph nodes whose pointers
+changed are re-pointed): no argument marshalling, no allocation (with ``out=``), no synchronisation.
+While the caller's stream is being captured the launches go one by one into the caller's capture
+instead. Up to ``max_programs`` layouts are kept.
 
 CUDA graphs: run once eagerly (compiles, prepares), then capture ``run`` on the capturing stream
 (``torch.cuda.graph(g, stream=s)`` and ``stream=s``, with ``out=`` buffers), write new inputs into

@@ -219,16 +219,19 @@ def generate_both(lm, ids, new_tokens):
     from transformers import GenerationConfig
     gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            pad_token_id=0)
+    # An explicit all-ones mask: without one, generate() masks every prompt token equal to the pad
+    # id (a random prompt has some), a mask that is not a prefix and so HF's path by design.
+    mask = torch.ones_like(ids)
     attn = nt._qsa_modules(lm)[0]
     before = lm.config._attn_implementation
     with torch.no_grad():
-        want = lm.generate(ids, generation_config=gen)
+        want = lm.generate(ids, attention_mask=mask, generation_config=gen)
         nt.enable(lm, keep_selection=True)
         assert lm.config._attn_implementation == nt.NAME
         nt._warned.clear()          # a fallback warned earlier in the session warns here again
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            got = lm.generate(ids, generation_config=gen)
+            got = lm.generate(ids, attention_mask=mask, generation_config=gen)
         fell_back = [str(x.message) for x in w if str(x.message).startswith("numqsa:")]
         assert hasattr(attn, "numqsa_selection"), f"no call went through numqsa: {fell_back}"
         rows = attn.numqsa_selection[1].shape[0]

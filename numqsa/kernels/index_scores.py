@@ -564,43 +564,61 @@ def _word_bits(a, i, j, w):
 
 
 def _keysm_shape(warps):
-    """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, 64 keys (17 KB);
-    simulator: 2 warps, 16 keys."""
+    """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, 64 keys (17 KB a buffer);
+    simulator: 2 warps, 16 keys. 4 warps (4 blocks of 124 registers a thread per SM) measured
+    faster than 8 on the H200 at 1 x 131K (0.017 / 0.036 ms) and 4096 x 32K (0.186 / 0.211),
+    equal at 8192 x 131K (1.30 / 1.29)."""
     return (2, 16) if SIMULATOR else (warps, 64)
 
 
+#: Key tiles a keys-as-M block scores at most (its page ids are staged in shared memory at once).
+KEYSM_SPAN_TILES = 16
+
+
 @functools.lru_cache(maxsize=None)
-def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
+def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
     """Tensor-core index scores with the keys as the M side of m16n8k16 (sm_80+, ``Hi`` 1, 2, 4).
 
     Each warp owns 8 query rows (the N = 8 of the mma) and keeps their queries for all ``Hi`` heads
-    as B fragments in registers (``Hi * Di / 8`` words per lane); the block stages ``TN`` keys in
-    shared memory (packed f16x2 words, row padded to ``Di/2 + 4`` words: the A fragment loads are
-    bank-conflict free) and every warp multiplies its rows with all of them: one A fragment (4
-    shared loads) feeds ``Hi`` mmas, one per head. The accumulator element ``(key, row)`` of head
-    ``h`` sits in the same lane and register for every head, so ReLU and the head sum are plain
-    register arithmetic; the 4 results of a lane go straight to global memory (8 consecutive keys
-    of 4 rows per store: whole 32-byte sectors).
+    as B fragments in registers (``Hi * Di / 8`` words per lane, loaded once per block through
+    shared memory, coalesced). The block scores a span of up to
+    ``KEYSM_SPAN_TILES`` tiles of ``TN`` keys, one pass per distinct request of its rows: the pass
+    stages the span's page ids in shared memory once, then streams the key tiles through two shared
+    buffers -- tile ``i + 1`` is copied (``cp.async``, 16 bytes a thread and chunk) while tile ``i``
+    is multiplied, so the copy latency hides behind the mma. Keys are packed f16x2 words, rows
+    padded to ``Di/2 + 4`` words, read by ``ldmatrix.x4`` (one per k-step and 16 keys, conflict
+    free), and one A fragment feeds ``Hi`` mmas, one per head. The accumulator element ``(key,
+    row)`` of head ``h`` sits in the same lane and register for every head, so ReLU and the head
+    sum are plain register arithmetic; the 4 results of a lane go straight to global memory (8
+    consecutive keys of 4 rows per store: whole 32-byte sectors).
 
-    ``words``: the keys and queries are uint32 views (:func:`word_view`), one load per pair of
-    float16; otherwise float16 arrays read per element and packed. ``bf16``: the pairs are
-    bfloat16 (uint16 bit arrays when not ``words``), multiplied by ``mma ... .bf16``.
-    Grid ``(ceil(G / keys_per_block), ceil(rows / TM))``, ``TM = 8 * warps`` rows, ``32 * warps``
-    threads. Shared memory: ``TN * (Di/2 + 4) * 4 + TN * 8 + TM * 16`` bytes (18.5 KB at TN 64, Di
-    128) plus the simulator's mma scratch. Rows of several requests: one pass per distinct request
-    (the distinct list is built once per block). Entries past ``nb`` (and inert rows) get ``-inf``.
+    ``words``: the keys and queries are uint32 views (:func:`word_view`) and ``flat`` is the key
+    words as one 1-D array (``index_cache``'s strides address it); otherwise float16 (or bfloat16
+    bit) arrays read per element, packed and stored synchronously (``flat`` unused). ``bf16``: the
+    pairs are bfloat16, multiplied by ``mma ... .bf16``. Grid ``(ceil(G / keys_per_block),
+    ceil(rows / TM))`` with ``keys_per_block <= KEYSM_SPAN_TILES * TN``, ``TM = 8 * warps`` rows,
+    ``32 * warps`` threads. Shared memory: ``2 * TN * (Di/2 + 4) * 4 + 8 * KEYSM_SPAN_TILES * TN``
+    bytes plus small row tables (43 KB at TN 64, Di 128). Entries past ``nb`` (and inert rows)
+    get ``-inf``.
     """
     from . import mma as M
+    from .smem import cp_async_16, cp_async_commit, cp_async_wait_fn, ldmatrix_x4, shared_base
 
     if hi not in KEYSM_HEADS or di % 16:
         raise ValueError(f"keys-as-M scores need Hi in {KEYSM_HEADS} and Di % 16 == 0")
     WARPS, TN = _keysm_shape(warps)
+    if WARPS * 8 > 2 * TN:
+        raise ValueError(f"{WARPS} warps' queries do not fit the two key buffers of {TN} keys")
     NT = 32 * WARPS
     TM = WARPS * 8
     MT = TN // 16
     HI = hi
     DIW = di // 2
     DIWP = DIW + 4
+    CH = DIW // 4                       # 16-byte chunks of a key
+    BUFW = TN * DIWP                    # words of one key buffer
+    KBUF = 2 * BUFW
+    SPAN = TN * KEYSM_SPAN_TILES
     KS = di // 16
     BREG = hi * KS * 2
     ACC = hi * 4
@@ -610,14 +628,57 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
     F0 = float32(0.0)
     mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
     word = _word_u32 if words else (_word_bits if bf16 else _word_f16)
+    WORDS = bool(words)
     MINB = minb
+    wait_one, wait_none = cp_async_wait_fn(1), cp_async_wait_fn(0)
+
+    @device_jit(forceinline=True)
+    def key_at(index_cache, ek, target, index_block_table, tcols, rpp, n_pages):
+        """Where group ``ek`` of request ``target`` lies: its first word in ``flat`` (words) or its
+        row ``page * rpp + row`` (otherwise); -1 on no page."""
+        col = ek // rpp
+        at = int32(-1)
+        if col < tcols:
+            page = int32(index_block_table[target, col])
+            if page >= int32(0) and page < n_pages:
+                rr_ = ek - col * rpp
+                if WORDS:
+                    at = int32(uint32(page) * uint32(index_cache.strides[0] // 4)
+                               + rr_ * uint32(index_cache.strides[1] // 4))
+                else:
+                    at = int32(uint32(page) * rpp + rr_)
+        return at
+
+    @device_jit(forceinline=True)
+    def load_tile(k_s, kbase, buf, first, nkeys, tid, s_at, index_cache, flat, rpp):
+        """Start copying keys ``first .. first + TN - 1`` of the span into buffer ``buf`` (zeros
+        for keys past ``nkeys`` or on no page)."""
+        for c in range(tid, uint32(TN * CH), uint32(NT)):
+            kk = c // uint32(CH)
+            ch = c - kk * uint32(CH)
+            key = first + kk
+            at = int32(-1)
+            if key < nkeys:
+                at = s_at[key]
+            w0 = buf * uint32(BUFW) + kk * uint32(DIWP) + U4 * ch
+            if WORDS:
+                if at >= int32(0):
+                    cp_async_16(k_s, kbase + U4 * w0, flat, uint32(at) + U4 * ch, 16)
+                else:
+                    cp_async_16(k_s, kbase + U4 * w0, flat, uint32(0), 0)
+            else:
+                pg = uint32(at) // rpp
+                for x in range(4):
+                    v = uint32(0)
+                    if at >= int32(0):
+                        v = word(index_cache, pg, uint32(at) - pg * rpp, U4 * ch + uint32(x))
+                    k_s[w0 + uint32(x)] = v
 
     @jit(launch_bounds=(NT, MINB))
-    def keysm_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens,
+    def keysm_scores(qi, index_cache, flat, index_block_table, req_ids, positions, seq_lens,
                      keys_per_block, scores):
-        k_s = cuda.shared.array((TN, DIWP), uint32)
-        k_pg = cuda.shared.array(TN, int32)
-        k_rr = cuda.shared.array(TN, uint32)
+        k_s = cuda.shared.array(KBUF, uint32)
+        s_at = cuda.shared.array(SPAN, int32)
         r_req = cuda.shared.array(TM, int32)
         r_nb = cuda.shared.array(TM, int32)
         r_nbm = cuda.shared.array(TM, int32)
@@ -641,6 +702,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
         n_pages = int32(index_cache.shape[0])
         rpp = uint32(index_cache.shape[1])
         tcols = uint32(index_block_table.shape[1])
+        kbase = shared_base(k_s)
 
         _stage_block_rows(row0, tid, TM, rows, ngroups, req_ids, positions, seq_lens, r, r_req, r_nb)
         nu = _distinct_requests(r_req, r_nb, u_req, u_nb, n_u, tid, TM)
@@ -652,56 +714,65 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
         cuda.syncthreads()
 
         # this lane's two output rows (the accumulator columns 2t, 2t+1 of its warp's 8 rows)
-        # (read back from shared memory where used: registers go to the B fragments)
         la = warp * U8 + U2 * t
 
-        # B fragments: query row g of the warp, head h, k-step ks: words 8ks + t (+4)
-        qrow = row0 + warp * U8 + g
+        # B fragments: query row g of the warp, head h, k-step ks: words 8ks + t (+4). One head
+        # at a time through this warp's slice of the key buffers: coalesced loads, and rows
+        # DIWP words apart make the fragment reads conflict free (block barriers: the simulator
+        # has no syncwarp)
+        qs = warp * uint32(8 * DIWP)
         for h in range(HI):
+            for idx in range(lane, uint32(8 * DIW), uint32(32)):
+                qr = idx // uint32(DIW)
+                wq = idx - qr * uint32(DIW)
+                v = uint32(0)
+                if row0 + warp * U8 + qr < rows:
+                    v = word(qi, row0 + warp * U8 + qr, uint32(h), wq)
+                k_s[qs + qr * uint32(DIWP) + wq] = v
+            cuda.syncthreads()
             for ks in range(KS):
                 for j in range(2):
-                    w = uint32(0)
-                    if qrow < rows:
-                        w = word(qi, qrow, uint32(h), uint32(8 * ks + 4 * j) + t)
-                    b_reg[(h * KS + ks) * 2 + j] = w
+                    b_reg[(h * KS + ks) * 2 + j] = k_s[qs + g * uint32(DIWP) + uint32(8 * ks + 4 * j)
+                                                       + t]
+            cuda.syncthreads()
 
-        e0 = span0
-        while e0 < span1:
-            for u in range(nu):
-                target = u_req[u]
-                nbmax = u_nb[u]
-                if int32(e0) < nbmax:                 # uniform across the block
-                    if tid < uint32(TN):
-                        ek = e0 + tid
-                        pg = int32(-1)
-                        rr_ = uint32(0)
-                        if int32(ek) < nbmax:
-                            col = ek // rpp
-                            if col < tcols:
-                                page = int32(index_block_table[target, col])
-                                if page >= int32(0) and page < n_pages:
-                                    pg = page
-                                    rr_ = ek - col * rpp
-                        k_pg[tid] = pg
-                        k_rr[tid] = rr_
+        # ldmatrix: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the 16-key slice, words
+        # 4 (l >> 4) on: matrices (keys 0-7, k 0-7), (keys 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15)
+        a_lane = kbase + U4 * (((lane & uint32(7)) + U8 * ((lane >> U3) & uint32(1)))
+                               * uint32(DIWP) + U4 * (lane >> U4))
+
+        for u in range(nu):
+            target = u_req[u]
+            nbmax = u_nb[u]
+            if int32(span0) < nbmax:                  # uniform across the block
+                hi_e = min(span1, uint32(nbmax))
+                nkeys = hi_e - span0
+                for kk in range(tid, nkeys, uint32(NT)):
+                    s_at[kk] = key_at(index_cache, span0 + kk, target, index_block_table, tcols,
+                                      rpp, n_pages)
+                cuda.syncthreads()
+                ntiles = (nkeys + uint32(TN - 1)) // uint32(TN)
+                load_tile(k_s, kbase, uint32(0), uint32(0), nkeys, tid, s_at, index_cache, flat,
+                          rpp)
+                cp_async_commit()
+                for it in range(ntiles):
+                    if it + uint32(1) < ntiles:
+                        load_tile(k_s, kbase, (it + uint32(1)) & uint32(1),
+                                  (it + uint32(1)) * uint32(TN), nkeys, tid, s_at, index_cache,
+                                  flat, rpp)
+                        cp_async_commit()
+                        wait_one()
+                    else:
+                        wait_none()
                     cuda.syncthreads()
-                    for idx in range(tid, uint32(TN * DIW), uint32(NT)):
-                        kk = idx // uint32(DIW)
-                        wd = idx - kk * uint32(DIW)
-                        pg = k_pg[kk]
-                        v = uint32(0)
-                        if pg >= int32(0):
-                            v = word(index_cache, pg, k_rr[kk], wd)
-                        k_s[kk, wd] = v
-                    cuda.syncthreads()
+                    e0 = span0 + it * uint32(TN)
+                    boff = U4 * (it & uint32(1)) * uint32(BUFW)
                     for mt in range(MT):
                         for a_ in range(ACC):
                             acc[a_] = F0
-                        m = uint32(16 * mt) + g
+                        arow = a_lane + boff + uint32(16 * 4 * DIWP * mt)
                         for ks in range(KS):
-                            kw = uint32(8 * ks) + t
-                            a = (k_s[m, kw], k_s[m + U8, kw], k_s[m, kw + U4],
-                                 k_s[m + U8, kw + U4])
+                            a = ldmatrix_x4(k_s, arow + uint32(32 * ks), scr[warp], lane)
                             for h in range(HI):
                                 c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
                                 bi = (h * KS + ks) * 2
@@ -710,6 +781,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
                                 acc[h * 4 + 1] = d[1]
                                 acc[h * 4 + 2] = d[2]
                                 acc[h * 4 + 3] = d[3]
+                        m = uint32(16 * mt) + g
                         for ii in range(4):
                             v = F0
                             for h in range(HI):
@@ -723,8 +795,10 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=8, minb=1, bf16=False):
                                 else:
                                     scores[orow, e] = NEG_INF
                     cuda.syncthreads()
-            # rows no pass covered in this tile (inert, or every group here past their request's
-            # longest row): -inf, in the same store pattern
+        # the tiles no pass covered for a row (inert, or every group of the tile past its
+        # request's longest row): -inf, in the same store pattern
+        e0 = span0
+        while e0 < span1:
             for ab in range(2):
                 lr = la + uint32(ab)
                 if row0 + lr < rows and not (r_req[lr] >= int32(0) and int32(e0) < r_nbm[lr]):
@@ -746,14 +820,17 @@ def keysm_supported(profile, qi):
 
 
 def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
-                 profile, stream, r=4, span_tiles=16, warps=8, minb=1):
+                 profile, stream, r=4, span_tiles=KEYSM_SPAN_TILES, warps=4, minb=4):
     """Launch the keys-as-M route; ``span_tiles`` key tiles per block at most (the queries are
     loaded into registers once per block)."""
     rows, groups = scores.shape
     if rows == 0 or groups == 0:
         return scores
+    if not 1 <= span_tiles <= KEYSM_SPAN_TILES:
+        raise ValueError(f"span_tiles must be in 1..{KEYSM_SPAN_TILES}, got {span_tiles}")
     wq, wk = word_view(qi), word_view(index_cache)
-    words = wq is not None and wk is not None
+    flat = _flat_words(wk)
+    words = wq is not None and flat is not None
     bf16 = is_bf16(qi)
     k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps, minb,
                                  bf16)
@@ -767,9 +844,28 @@ def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_len
         qi, index_cache = wq, wk
     else:
         qi, index_cache = bits16(qi), bits16(index_cache)
-    k[grid, k.threads, stream](qi, index_cache, index_block_table, req_ids, positions, seq_lens,
-                               np.int32(span), scores)
+        from .. import device as dev
+        flat = dev.constant(np.zeros(4, np.uint32), stream)
+    k[grid, k.threads, stream](qi, index_cache, flat, index_block_table, req_ids, positions,
+                               seq_lens, np.int32(span), scores)
     return scores
+
+
+def _flat_words(w):
+    """The words a 3-D uint32 key view ``w`` spans as one 1-D array from its first element (its
+    strides index it), or None: no view, negative strides, or 2**31 words or more."""
+    if w is None or any(st < 0 for st in w.strides):
+        return None
+    n = sum((d - 1) * st for d, st in zip(w.shape, w.strides)) // 4 + 1 if w.size else 1
+    if n >= 2 ** 31:
+        return None
+    if w.is_c_contiguous():
+        return w.reshape(-1)
+    if SIMULATOR:
+        return None
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    return DeviceNDArray(shape=(n,), strides=(4,), dtype=np.dtype(np.uint32), stream=w.stream,
+                         gpu_data=w.gpu_data)
 
 
 def _light_case(dtype, hi=4, di=128, r=4):
@@ -793,8 +889,8 @@ for _kind, _ccs in (("m16n8k16", ((9, 0),)), ("m8n8k4", ((7, 0), (9, 0)))):
 for _words in (True, False):
     _k = make_keysm_scores_kernel(4, 128, 4, _words)
     _t = "uint32" if _words else "float16"
-    _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], int32[:, :], int32[:], int32[:], int32[:], "
-            "int32, float32[:, :])")
+    _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], uint32[:], int32[:, :], int32[:], int32[:], "
+            "int32[:], int32, float32[:, :])")
     RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))
 # bfloat16 (uint16 bit arrays): light on every architecture, tensor cores on sm_80+
 _BF = ("void(uint16[:, :, :], uint16[:, :, :], int32[:, :], int32[:], int32[:], int32[:], int32, "
@@ -807,5 +903,6 @@ RESOURCE_CASES.append(("index_scores.tiled.m16n8k16.bf16", _k, _BF, _k.threads, 
 for _words in (True, False):
     _k = make_keysm_scores_kernel(4, 128, 4, _words, bf16=True)
     _sig = _BF.replace("uint16", "uint32") if _words else _BF
+    _sig = _sig.replace("int32[:, :], int32[:]", "uint32[:], int32[:, :], int32[:]", 1)
     RESOURCE_CASES.append((f"index_scores.keysm.bf16.{'uint32' if _words else 'uint16'}", _k, _sig,
                            _k.threads, 0, (9, 0)))
