@@ -332,6 +332,8 @@ def main(argv=None):
                 try:
                     rec["ms_e2e"], rec["syncs"] = timer.host(fn)
                     rec["ms_host_busy"] = timer.last_busy_ms
+                    if not rec["syncs"]:
+                        rec["ms_host_loop"] = timer.host_loop(fn)
                     rec["ok"] = True
                 except Exception as err:
                     rec["error"] = short(err)

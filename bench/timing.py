@@ -7,7 +7,9 @@ cover the host's enqueue time, so host time is hidden; an L2 flush (a 256 MB wri
 End-to-end: flush, synchronise, ``perf_counter`` around the call and a synchronise; median of 20.
 Host overhead: a long spin is enqueued, then the host time of one call is taken (median of 50);
 a call that synchronises would wait for the spin, which is detected (time > half the spin) and
-re-measured with the GPU idle (``syncs: true``).
+re-measured with the GPU idle (``syncs: true``). ``host_loop``: the same call among 20 back-to-back
+calls behind one spin (a model step's layers), median of 5 rounds (``ms_host_loop``): a call alone
+after a wait also pays the host's wake-up (caches, clocks), which a loop of layers does not.
 """
 import time
 
@@ -102,6 +104,28 @@ class Timer:
             t.cuda.synchronize()
         ms = float(np.median(times))
         self.last_busy_ms = ms
+        self.last_idle_ms = idle_ms
         if ms < idle_ms + 0.5 * spin_ms:
             return ms, False
         return idle_ms, True
+
+    def host_loop(self, fn, calls=20, rounds=5):
+        """Host ms of one call among ``calls`` back-to-back calls (a model step's layers), median
+        over ``rounds`` rounds, each behind a spin four times the round's idle host time (at least
+        5 ms); None if the GPU went idle before a round ended (the spin was too short, or a call
+        waited). Run after :meth:`host` (its idle time sizes the spin)."""
+        t = self.t
+        spin_ms = max(5.0, 4 * calls * getattr(self, "last_idle_ms", 1.0))
+        times = []
+        for _ in range(rounds):
+            t.cuda.synchronize()
+            self.spin(spin_ms)
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            busy = not t.cuda.current_stream().query()
+            t.cuda.synchronize()
+            if not busy:
+                return None
+        return float(np.median(times))

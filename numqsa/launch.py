@@ -33,6 +33,7 @@ an argument kind is not understood. A graph launch runs the same kernels with th
 the direct launches (same bits); launches of one program on two streams are ordered one after the
 other (one graph executable per program).
 """
+import bisect
 import ctypes
 import os
 import threading
@@ -295,9 +296,8 @@ class Program:
                           for fn, g, b, s, first, _ in launches]
         self._patch = list(zip(patch_slots, patch_inputs, patch_offsets))
         # the launches whose parameters hold an input pointer: the graph nodes a replay re-points
-        bounds = [first for _, _, _, _, first, _ in launches] + [nslots]
-        self._patched_launches = sorted({next(i for i in range(len(launches))
-                                              if bounds[i] <= slot < bounds[i + 1])
+        firsts = [first for _, _, _, _, first, _ in launches]
+        self._patched_launches = sorted({bisect.bisect_right(firsts, slot) - 1
                                          for slot in patch_slots})
         self._inputs_used = sorted(set(patch_inputs))
 
@@ -308,20 +308,24 @@ class Program:
         cu = self._cu
         err, graph = cu.cuGraphCreate(0)
         self._check(err, "cuGraphCreate")
-        nodes, prev = [], []
-        for fn, g, b, smem, params in self._launches:
-            node_params = cu.CUDA_KERNEL_NODE_PARAMS()
-            node_params.kern = cu.CUkernel(int(fn))    # numba-cuda loads libraries: a CUkernel
-            node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = g
-            node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = b
-            node_params.sharedMemBytes = smem
-            node_params.kernelParams = params
-            err, node = cu.cuGraphAddKernelNode(graph, prev, len(prev), node_params)
-            self._check(err, "cuGraphAddKernelNode")
-            nodes.append((node, node_params))
-            prev = [node]
-        err, exe = cu.cuGraphInstantiate(graph, 0)
-        self._check(err, "cuGraphInstantiate")
+        try:
+            nodes, prev = [], []
+            for fn, g, b, smem, params in self._launches:
+                node_params = cu.CUDA_KERNEL_NODE_PARAMS()
+                node_params.kern = cu.CUkernel(int(fn))    # numba-cuda loads libraries: CUkernel
+                node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = g
+                node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = b
+                node_params.sharedMemBytes = smem
+                node_params.kernelParams = params
+                err, node = cu.cuGraphAddKernelNode(graph, prev, len(prev), node_params)
+                self._check(err, "cuGraphAddKernelNode")
+                nodes.append((node, node_params))
+                prev = [node]
+            err, exe = cu.cuGraphInstantiate(graph, 0)
+            self._check(err, "cuGraphInstantiate")
+        except Exception:
+            cu.cuGraphDestroy(graph)
+            raise
         self._graph_handle, self._exec = graph, exe
         self._nodes = [nodes[i] for i in self._patched_launches]
 
