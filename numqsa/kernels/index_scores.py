@@ -583,7 +583,8 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
     as B fragments in registers (``Hi * Di / 8`` words per lane, loaded once per block through
     shared memory, coalesced). The block scores a span of up to
     ``KEYSM_SPAN_TILES`` tiles of ``TN`` keys, one pass per distinct request of its rows: the pass
-    stages the span's page ids in shared memory once, then streams the key tiles through two shared
+    stages where each of the span's keys lies (page and row, from the block table) in shared
+    memory once, then streams the key tiles through two shared
     buffers -- tile ``i + 1`` is copied (``cp.async``, 16 bytes a thread and chunk) while tile ``i``
     is multiplied, so the copy latency hides behind the mma. Keys are packed f16x2 words, rows
     padded to ``Di/2 + 4`` words, read by ``ldmatrix.x4`` (one per k-step and 16 keys, conflict
@@ -597,8 +598,8 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
     bit) arrays read per element, packed and stored synchronously (``flat`` unused). ``bf16``: the
     pairs are bfloat16, multiplied by ``mma ... .bf16``. Grid ``(ceil(G / keys_per_block),
     ceil(rows / TM))`` with ``keys_per_block <= KEYSM_SPAN_TILES * TN``, ``TM = 8 * warps`` rows,
-    ``32 * warps`` threads. Shared memory: ``2 * TN * (Di/2 + 4) * 4 + 8 * KEYSM_SPAN_TILES * TN``
-    bytes plus small row tables (43 KB at TN 64, Di 128). Entries past ``nb`` (and inert rows)
+    ``32 * warps`` threads. Shared memory: ``2 * TN * (Di/2 + 4) * 4 + 4 * KEYSM_SPAN_TILES * TN``
+    bytes plus small row tables (39.6 KB at TN 64, Di 128, 4 warps). Entries past ``nb`` (and inert rows)
     get ``-inf``.
     """
     from . import mma as M
