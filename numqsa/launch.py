@@ -335,8 +335,7 @@ class Program:
 
     def _capturing(self, stream_handle):
         err, status = self._cu.cuStreamIsCapturing(stream_handle)
-        if err != self._ok:
-            raise RuntimeError(f"cuStreamIsCapturing failed: {err}")
+        self._check(err, "cuStreamIsCapturing")
         return status != self._not_capturing
 
     def __del__(self):
@@ -380,15 +379,12 @@ class Program:
                 self.fallback_reason = f"no graph launch: {type(err).__name__}: {err}"
                 return False
         elif state != self._graph_state:
-            exe, ok = self._exec, self._ok
             for node, node_params in self._nodes:
-                err, = cu.cuGraphExecKernelNodeSetParams(exe, node, node_params)
-                if err != ok:
-                    raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed: {err}")
+                err, = cu.cuGraphExecKernelNodeSetParams(self._exec, node, node_params)
+                self._check(err, "cuGraphExecKernelNodeSetParams")
         self._graph_state = state
         err, = cu.cuGraphLaunch(self._exec, stream_handle)
-        if err != self._ok:
-            raise RuntimeError(f"cuGraphLaunch failed: {err}")
+        self._check(err, "cuGraphLaunch")
         return True
 
     # -- simulator / fallback: rebuild the views, call the dispatcher ---------------------------
