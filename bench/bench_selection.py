@@ -306,10 +306,13 @@ def variants(args):
             results.append(c.line(name, ms, c.flop, c.sbytes, c.ref("scores")))
         KS.launch_tiled(*a, sc, prof, stream)
         bits = sc.view(np.uint32)
-        tvars = [("topk.radix", dict(bitmap=False))]
+        tvars = [("topk.radix", dict(route="radix"))]
         if c.G <= KT.bitmap_shape()[1]:
-            tvars = [("topk.bitmap.t512", dict(bitmap=True, threads=512)),
-                     ("topk.bitmap.t1024", dict(bitmap=True, threads=1024))] + tvars
+            tvars = [("topk.bitmap.t512", dict(route="bitmap", threads=512)),
+                     ("topk.bitmap.t1024", dict(route="bitmap", threads=1024))] + tvars
+        if c.G <= KT.REGISTER_THREADS * KT.REGISTER_KEYS:
+            tvars = [(f"topk.registers.t{t}", dict(route="registers", threads=t))
+                     for t in (512, 1024)] + tvars
         for name, kw in tvars:
             ms = timer(lambda: KT.launch_topk(bits, c.req, c.pos, c.lens, c.groups, prof, stream,
                                               **kw), reps=5, warmup=1)

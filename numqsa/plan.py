@@ -35,6 +35,8 @@ class TopkProfile:
     """Top-k and expansion stages."""
     threads: int = 256
     chunk_groups: int = 65536  # fused select: groups scored per pass at long context
+    register_threads: int = 512  # register top-k block: 512 x 16 keys, 64 registers, no spills on
+                                 # sm_90 (resource report); sm_70 spills at 512, so 1024 x 8
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ PROFILES = {
         name="sm_70", cc=(7, 0), has_bf16=False, max_static_smem=48 * 1024,
         smem_per_sm=96 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=80,
         scores=ScoresProfile(mma="m8n8k4"),
-        topk=TopkProfile(),
+        topk=TopkProfile(register_threads=1024),
         # 4 rows per group: 4 warps x 198 registers and 47.9 KB static shared memory give 2 resident
         # blocks per V100 SM; 8 rows fit only one (resource report, page4_m8n8k4_g4 / _g8).
         attention=AttentionProfile(mma="m8n8k4", group_rows=4, page4_min_rows=4096),

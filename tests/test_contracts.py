@@ -225,8 +225,8 @@ def test_relu_keeps_nan():
     np.testing.assert_array_equal(y.copy_to_host(), np.maximum(x.copy_to_host(), np.float32(0)))
 
 
-@pytest.mark.parametrize("bitmap", [True, False])
-def test_topk_nan_ranks_first(rng, bitmap):
+@pytest.mark.parametrize("route", k_topk.ROUTES)
+def test_topk_nan_ranks_first(rng, route):
     """NaN of any sign and payload ranks above +inf; NaNs tie (lowest ids); oracle and kernels."""
     G, kb = 40, 6
     lens = np.array([4 * G], np.int32)
@@ -242,7 +242,7 @@ def test_topk_nan_ranks_first(rng, bitmap):
     np.testing.assert_array_equal(want[1], np.arange(kb))
     out = poison(cuda.device_array((3, kb), np.int32))
     k_topk.launch_topk(*[cuda.to_device(x) for x in (bits, req, pos, lens)], out,
-                       arch_profile((9, 0)), 0, bitmap=bitmap)
+                       arch_profile((9, 0)), 0, route=route)
     np.testing.assert_array_equal(out.copy_to_host(), want)
 
 

@@ -182,8 +182,8 @@ def test_index_scores_tiled_geometry(rng, monkeypatch, arch, variant, dtype, hi,
                           what=f"tiled {prof.scores.mma} {variant} scores")
 
 
-@pytest.mark.parametrize("bitmap", [True, False])
-def test_topk_boundaries(rng, bitmap):
+@pytest.mark.parametrize("route", k_topk.ROUTES)
+def test_topk_boundaries(rng, route):
     """Rows seeing Kb - 1, Kb and Kb + 1 groups, a one-group row, inert and stale rows; exact."""
     kb, G = 8, 40
     lens = np.array([4 * G + 3, 4 * (kb + 1), 4 * kb + 1, 4 * kb - 2, 5], np.int32)
@@ -193,7 +193,7 @@ def test_topk_boundaries(rng, bitmap):
     s = np.maximum(rng.standard_normal((req.size, G)), 0).astype(np.float32)
     out = poison(cuda.device_array((req.size, kb), np.int32))
     k_topk.launch_topk(*[to_device(x) for x in (s.view(np.uint32), req, pos, lens)], out,
-                       arch_profile((9, 0)), 0, bitmap=bitmap)
+                       arch_profile((9, 0)), 0, route=route)
     want = oracle.topk_groups(s.astype(np.float64), req, pos, lens, Kb=kb)
     np.testing.assert_array_equal(out.copy_to_host(), want)
 

@@ -207,6 +207,9 @@ def _topk_case(rng, kind, rows=6, G=70):
     elif kind == "signed_zero":
         s = np.where(rng.random((rows, G)) < 0.5, np.float32(-0.0), np.float32(0.0))
         s[:, 3::11] = np.float32(2.0)
+    elif kind == "sparse":       # fewer positives than some Kb: the threshold is the zero plateau
+        s = np.zeros((rows, G), np.float32)
+        s[:, ::13] = 0.5 + rng.random((rows, len(range(0, G, 13))))
     elif kind == "clustered":    # one top-12-bit bin: the bitmap kernel resolves lower digits
         s = (1.0 + 1e-3 * rng.random((rows, G))).astype(np.float32)
         s[:, ::7] = 1.0
@@ -216,19 +219,21 @@ def _topk_case(rng, kind, rows=6, G=70):
     return s, req, pos, lens
 
 
-@pytest.mark.parametrize("kind", ["random", "clustered", "plateau", "zeros", "wide"])
-@pytest.mark.parametrize("bitmap", [True, False])
-def test_topk_kernels(rng, kind, bitmap):
-    """Both top-k kernels on device arrays (the bitmap one: candidate path and global fallback)."""
+@pytest.mark.parametrize("kind", ["random", "clustered", "plateau", "sparse", "zeros", "wide"])
+@pytest.mark.parametrize("route", ["registers", "bitmap", "radix"])
+def test_topk_kernels(rng, kind, route):
+    """Every top-k kernel on device arrays (bitmap: candidate path and global fallback; registers:
+    thresholds near the row's best and 16 octaves or more below it)."""
     from numba import cuda
     from numqsa.kernels import topk as KT
     from numqsa.plan import arch_profile
-    G = 120 if bitmap else 70          # the simulator's bitmap kernel takes rows up to 128 groups
+    # the simulator's register kernel takes rows of up to 64 groups, its bitmap kernel 128
+    G = {"registers": 61, "bitmap": 120, "radix": 70}[route]
     s, req, pos, lens = _topk_case(rng, kind, G=G)
     for kb in (5, 17):
         out = poison(cuda.device_array((s.shape[0], kb), np.int32))
         d = [cuda.to_device(x) for x in (s.view(np.uint32), req, pos, lens)]
-        KT.launch_topk(*d, out, arch_profile((9, 0)), 0, bitmap=bitmap)
+        KT.launch_topk(*d, out, arch_profile((9, 0)), 0, route=route)
         want = oracle.topk_groups(s.astype(np.float64), req, pos, lens, Kb=kb)
         np.testing.assert_array_equal(out.copy_to_host(), want, err_msg=f"Kb={kb}")
 
@@ -407,3 +412,41 @@ def test_gpu_topk_one_million_tokens(seed):
     got = sel.topk_groups(cuda.to_device(s), cuda.to_device(req), cuda.to_device(pos),
                           cuda.to_device(lens), Kb=512).copy_to_host()
     np.testing.assert_array_equal(got, oracle.topk_groups(s.astype(np.float64), req, pos, lens))
+
+
+def _real_scores(rng, dist, rows, G):
+    """The bench's score distributions at a real row length (``bench/workloads.py``)."""
+    if dist == "relu":
+        return (np.maximum(rng.standard_normal((4, rows, G)), 0).sum(0) / np.sqrt(128)).astype(
+            np.float32)
+    if dist == "concentrated":
+        s = 1e-3 * rng.random((rows, G))
+        return (s + (rng.random((rows, G)) < 32 / G) * (1 + rng.random((rows, G)))).astype(np.float32)
+    if dist == "plateau":
+        return np.maximum(rng.standard_normal((rows, G)) - 2.5, 0).astype(np.float32)
+    if dist == "fewvalues":
+        return (np.floor(rng.random((rows, G)) * 8) / 8).astype(np.float32)
+    return (rng.standard_normal((rows, G)) * 1e30).astype(np.float32)     # both signs, wide
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["relu", "concentrated", "plateau", "fewvalues", "wide"])
+@pytest.mark.parametrize("route", ["registers", "bitmap", "radix"])
+def test_gpu_topk_routes_exact(dist, route, seed):
+    """Every top-k kernel exact against the oracle on 8,192-group rows (32K tokens) of each score
+    distribution of the bench, rows seeing 513 .. 8,192 groups, on three reruns."""
+    from numba import cuda
+    from numqsa.kernels import topk as KT
+    from numqsa.plan import arch_profile
+    rng = np.random.default_rng(seed)
+    rows, G = 96, 8192
+    s = _real_scores(rng, dist, rows, G)
+    lens = np.array([4 * G], np.int32)
+    req = np.zeros(rows, np.int32)
+    pos = np.linspace(4 * 513, 4 * G - 1, rows).astype(np.int32)
+    d = [cuda.to_device(x) for x in (s.view(np.uint32), req, pos, lens)]
+    want = oracle.topk_groups(s.astype(np.float64), req, pos, lens, Kb=512)
+    for rerun in range(3):
+        out = poison(cuda.device_array((rows, 512), np.int32))
+        KT.launch_topk(*d, out, arch_profile((9, 0)), 0, route=route)
+        np.testing.assert_array_equal(out.copy_to_host(), want, err_msg=f"{route} {dist} #{rerun}")

@@ -563,12 +563,20 @@ def _word_bits(a, i, j, w):
     return _pack_bits(a[i, j, from_], a[i, j, from_ + uint32(1)])
 
 
-def _keysm_shape(warps):
-    """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, 64 keys (17 KB a buffer);
-    simulator: 2 warps, 16 keys. 4 warps (4 blocks of 124 registers a thread per SM) measured
-    faster than 8 on the H200 at 1 x 131K (0.017 / 0.036 ms) and 4096 x 32K (0.186 / 0.211),
-    equal at 8192 x 131K (1.30 / 1.29)."""
-    return (2, 16) if SIMULATOR else (warps, 64)
+def _keysm_shape(warps, tile_keys):
+    """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, ``tile_keys`` keys (17 KB a
+    buffer at 64); simulator: 2 warps, 16 keys. 4 warps (4 blocks of 124 registers a thread per SM)
+    measured faster than 8 on the H200 at 1 x 131K (0.017 / 0.036 ms) and 4096 x 32K (0.186 /
+    0.211), equal at 8192 x 131K (1.30 / 1.29)."""
+    return (2, 16) if SIMULATOR else (warps, tile_keys)
+
+
+def keysm_launch_shape(rows):
+    """(warps, keys per tile) for a score block of ``rows`` rows: one warp of 8 rows and 16-key
+    tiles up to 8 rows (4x the blocks of a 4-warp, 64-key tiling: a row's few keys per block are
+    latency-bound), else 4 warps and 64 keys. The shapes compute a score bitwise alike (the same
+    mma k-steps in the same order), so a row's scores do not depend on its batch."""
+    return (1, 16) if rows <= 8 else (4, 64)
 
 
 #: Key tiles a keys-as-M block scores at most (its page ids are staged in shared memory at once).
@@ -576,7 +584,7 @@ KEYSM_SPAN_TILES = 16
 
 
 @functools.lru_cache(maxsize=None)
-def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
+def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile_keys=64):
     """Tensor-core index scores with the keys as the M side of m16n8k16 (sm_80+, ``Hi`` 1, 2, 4).
 
     Each warp owns 8 query rows (the N = 8 of the mma) and keeps their queries for all ``Hi`` heads
@@ -607,7 +615,9 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
 
     if hi not in KEYSM_HEADS or di % 16:
         raise ValueError(f"keys-as-M scores need Hi in {KEYSM_HEADS} and Di % 16 == 0")
-    WARPS, TN = _keysm_shape(warps)
+    WARPS, TN = _keysm_shape(warps, tile_keys)
+    if TN % 16:
+        raise ValueError(f"tile_keys must be a multiple of 16, got {TN}")
     if WARPS * 8 > 2 * TN:
         raise ValueError(f"{WARPS} warps' queries do not fit the two key buffers of {TN} keys")
     NT = 32 * WARPS
@@ -623,6 +633,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
     KS = di // 16
     BREG = hi * KS * 2
     ACC = hi * 4
+    HPR = max(1, min(hi, 2 * TN // (8 * WARPS)))   # heads whose query slices fit the key buffers
     inv_sqrt = float32(1.0 / math.sqrt(di))
     SCRW = M.SCRATCH_WORDS
     U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
@@ -717,24 +728,29 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False):
         # this lane's two output rows (the accumulator columns 2t, 2t+1 of its warp's 8 rows)
         la = warp * U8 + U2 * t
 
-        # B fragments: query row g of the warp, head h, k-step ks: words 8ks + t (+4). One head
-        # at a time through this warp's slice of the key buffers: coalesced loads, and rows
-        # DIWP words apart make the fragment reads conflict free (block barriers: the simulator
-        # has no syncwarp)
-        qs = warp * uint32(8 * DIWP)
-        for h in range(HI):
-            for idx in range(lane, uint32(8 * DIW), uint32(32)):
-                qr = idx // uint32(DIW)
-                wq = idx - qr * uint32(DIW)
-                v = uint32(0)
-                if row0 + warp * U8 + qr < rows:
-                    v = word(qi, row0 + warp * U8 + qr, uint32(h), wq)
-                k_s[qs + qr * uint32(DIWP) + wq] = v
+        # B fragments: query row g of the warp, head h, k-step ks: words 8ks + t (+4). HPR heads
+        # at a time (all of them on a GPU: one round of loads) through this warp's slices of the
+        # key buffers: coalesced loads, and rows DIWP words apart make the fragment reads
+        # conflict free (block barriers: the simulator has no syncwarp)
+        for h0 in range(0, HI, HPR):
+            for hh in range(HPR):
+                if h0 + hh < HI:
+                    qs = (warp * uint32(HPR) + uint32(hh)) * uint32(8 * DIWP)
+                    for idx in range(lane, uint32(8 * DIW), uint32(32)):
+                        qr = idx // uint32(DIW)
+                        wq = idx - qr * uint32(DIW)
+                        v = uint32(0)
+                        if row0 + warp * U8 + qr < rows:
+                            v = word(qi, row0 + warp * U8 + qr, uint32(h0 + hh), wq)
+                        k_s[qs + qr * uint32(DIWP) + wq] = v
             cuda.syncthreads()
-            for ks in range(KS):
-                for j in range(2):
-                    b_reg[(h * KS + ks) * 2 + j] = k_s[qs + g * uint32(DIWP) + uint32(8 * ks + 4 * j)
-                                                       + t]
+            for hh in range(HPR):
+                if h0 + hh < HI:
+                    qs = (warp * uint32(HPR) + uint32(hh)) * uint32(8 * DIWP)
+                    for ks in range(KS):
+                        for j in range(2):
+                            b_reg[((h0 + hh) * KS + ks) * 2 + j] = k_s[
+                                qs + g * uint32(DIWP) + uint32(8 * ks + 4 * j) + t]
             cuda.syncthreads()
 
         # ldmatrix: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of the 16-key slice, words
@@ -821,9 +837,11 @@ def keysm_supported(profile, qi):
 
 
 def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
-                 profile, stream, r=4, span_tiles=KEYSM_SPAN_TILES, warps=4, minb=4):
+                 profile, stream, r=4, span_tiles=KEYSM_SPAN_TILES, warps=None, minb=4,
+                 tile_keys=None):
     """Launch the keys-as-M route; ``span_tiles`` key tiles per block at most (the queries are
-    loaded into registers once per block)."""
+    loaded into registers once per block); ``warps`` / ``tile_keys`` default to
+    :func:`keysm_launch_shape`."""
     rows, groups = scores.shape
     if rows == 0 or groups == 0:
         return scores
@@ -833,8 +851,9 @@ def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_len
     flat = _flat_words(wk)
     words = wq is not None and flat is not None
     bf16 = is_bf16(qi)
-    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps, minb,
-                                 bf16)
+    w0, t0 = keysm_launch_shape(rows)
+    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps or w0,
+                                 minb, bf16, tile_keys or t0)
     row_tiles = -(-rows // k.rows_per_block)
     tn = k.keys_per_tile
     span = tn * span_tiles
@@ -893,6 +912,9 @@ for _words in (True, False):
     _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], uint32[:], int32[:, :], int32[:], int32[:], "
             "int32[:], int32, float32[:, :])")
     RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))
+    if _words:                            # the few-row shape (keysm_launch_shape)
+        _k = make_keysm_scores_kernel(4, 128, 4, _words, 1, 4, False, 16)
+        RESOURCE_CASES.append(("index_scores.keysm.uint32.w1t16", _k, _sig, _k.threads, 0, (9, 0)))
 # bfloat16 (uint16 bit arrays): light on every architecture, tensor cores on sm_80+
 _BF = ("void(uint16[:, :, :], uint16[:, :, :], int32[:, :], int32[:], int32[:], int32[:], int32, "
        "float32[:, :])")

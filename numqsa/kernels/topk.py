@@ -1,19 +1,25 @@
 """Top-k groups per row (spec §5): exactly ``min(Kb, nb)`` groups by (score desc, group id asc).
 
 Every visible group gets the 64-bit key ``(ordered score bits) << 32 | (~group id)``; the keys are
-unique, so the ``Kb`` largest form a set with no ties to break. The kernel never builds the keys:
-a radix select over the 32 ordered score bits (four 8-bit digits, most significant first) finds the
-``Kb``-th best score ``s*`` and how many groups ``m`` scoring exactly ``s*`` are needed; those are the
-``m`` lowest group ids among the equal ones (the low key half), which a compaction pass in ascending
-group order takes first. The result is bitwise deterministic (no atomics decide anything: the
-histogram is exact counts), holds on plateaus of exact zeros, and is written ascending.
+unique, so the ``Kb`` largest form a set with no ties to break. The kernels never build the keys:
+a radix select over the 32 ordered score bits finds the ``Kb``-th best score ``s*`` and how many
+groups ``m`` scoring exactly ``s*`` are needed; those are the ``m`` lowest group ids among the
+equal ones (the low key half). The result is bitwise deterministic (atomics only count), holds on
+plateaus of exact zeros, and is written ascending. Three kernels, one block per row, routed by the
+row length (:func:`topk_route`):
+
+- **registers** (up to 8,192 groups: 32K tokens): the row read once into registers, level 1 binned
+  relative to the row's best score (:func:`make_topk_register_kernel`);
+- **bitmap** (up to 32,768 groups: 131K tokens): a 4096-bin first level, then candidates in shared
+  memory (:func:`make_topk_bitmap_kernel`);
+- **radix** (longer rows): four 8-bit levels streamed from global memory (:func:`make_topk_kernel`).
 
 Scores are read as their uint32 bit patterns (a float32 array viewed as uint32); ``-0.0`` counts as
 ``+0.0``. A NaN score ranks above every number, NaNs tying (lowest group ids first), as in the oracle.
 """
 import functools
 
-from numba import cuda, int32, uint32
+from numba import cuda, int32, uint32, uint64
 
 from ..jit import SIMULATOR, device_jit, jit
 from .common import row_state
@@ -223,25 +229,40 @@ def topk_threads(profile):
     return 32 if SIMULATOR else int(profile.topk.threads)
 
 
+ROUTES = ("registers", "bitmap", "radix")
+
+
+def topk_route(num_groups):
+    """The kernel a score block of ``num_groups`` columns takes: the register kernel up to
+    ``register_shape()`` groups, the bitmap kernel up to ``bitmap_shape()[1]``, then the radix one."""
+    nt, per = register_shape()
+    if num_groups <= nt * per:
+        return "registers"
+    return "bitmap" if num_groups <= bitmap_shape()[1] else "radix"
+
+
 def launch_topk(score_bits, req_ids, positions, seq_lens, groups, profile, stream, r=4,
-                bitmap=None, threads=None):
+                route=None, threads=None):
     """``score_bits`` is the float32 score matrix viewed as uint32; ``groups [rows, Kb]`` int32 is written.
 
-    Rows of up to ``bitmap_shape()[1]`` groups take the bitmap kernel, longer ones the streaming
-    radix kernel (``bitmap=False`` forces the latter, for tests and benchmarks)."""
+    ``route`` (one of :data:`ROUTES`; default :func:`topk_route`) and ``threads`` force a kernel and
+    its block size, for tests and benchmarks; a route too small for the rows is refused."""
     rows, kb = groups.shape
     if rows == 0:
         return groups
-    nt, gmax, cap = bitmap_shape(threads)
-    if bitmap is None:
-        bitmap = score_bits.shape[1] <= gmax
-    elif bitmap and score_bits.shape[1] > gmax:
-        raise ValueError(f"the bitmap top-k takes rows of at most {gmax} groups, got "
-                         f"{score_bits.shape[1]}")
-    if bitmap:
-        k = make_topk_bitmap_kernel(nt, gmax, cap, int(kb), int(r))
+    width = score_bits.shape[1]
+    route = route or topk_route(width)
+    if route == "registers":
+        nt, per = register_shape(threads or profile.topk.register_threads)
+        k = make_topk_register_kernel(nt, per, int(kb), int(r))
+    elif route == "bitmap":
+        k = make_topk_bitmap_kernel(*bitmap_shape(threads), int(kb), int(r))
+    elif route == "radix":
+        k = make_topk_kernel(threads or topk_threads(profile), int(kb), int(r))
     else:
-        k = make_topk_kernel(topk_threads(profile), int(kb), int(r))
+        raise ValueError(f"unknown top-k route {route!r}; expected one of {ROUTES}")
+    if width > getattr(k, "gmax", width):
+        raise ValueError(f"the {route} top-k takes rows of at most {k.gmax} groups, got {width}")
     k[rows, k.threads, stream](score_bits, req_ids, positions, seq_lens, groups)
     return groups
 
@@ -306,6 +327,65 @@ def bitmap_shape(threads=None):
 
 
 @functools.lru_cache(maxsize=None)
+def make_emit(threads, words):
+    """Device fn ``emit(gt, eq, need, ties, groups, i, tid, scr)``: write row ``i``'s selection,
+    ascending.
+
+    ``gt`` and ``eq`` are shared bitmaps of ``words`` words over the row's groups: the groups above
+    the threshold and those equal to it. All of ``gt`` is taken, then the ``need`` lowest groups of
+    ``eq`` (the tie rule). Thread ``t`` owns words ``t*WPT .. t*WPT + WPT - 1``; two block scans
+    (popcounts of the equal, then of the kept words) give each word its place; ``ties`` False (the
+    block agrees) means ``eq`` is empty and skips the first. Every thread calls it.
+    """
+    NT = threads
+    WORDS = words
+    WPT = max(1, -(-WORDS // NT))
+    block_scan = make_block_scan(NT)
+
+    @device_jit
+    def emit(gt, eq, need, ties, groups, i, tid, scr):
+        selw = cuda.local.array(WPT, uint32)
+        w0 = tid * uint32(WPT)
+        eb = int32(0)
+        if ties:
+            eqc = int32(0)
+            for j in range(WPT):
+                if w0 + uint32(j) < uint32(WORDS):
+                    eqc += int32(cuda.popc(eq[w0 + uint32(j)]))
+            incl, total = block_scan(eqc, tid, scr)
+            eb = incl - eqc
+        cnt = int32(0)
+        for j in range(WPT):
+            s = uint32(0)
+            if w0 + uint32(j) < uint32(WORDS):
+                q = eq[w0 + uint32(j)] if ties else uint32(0)
+                pq = int32(cuda.popc(q))
+                keep = need - eb
+                if keep <= int32(0):
+                    q = uint32(0)
+                elif keep < pq:            # the `keep` lowest bits of q
+                    x = q
+                    for _ in range(keep):
+                        x &= x - uint32(1)
+                    q ^= x
+                eb += pq
+                s = gt[w0 + uint32(j)] | q
+            selw[j] = s
+            cnt += int32(cuda.popc(s))
+        incl, total = block_scan(cnt, tid, scr)
+        pos = incl - cnt
+        for j in range(WPT):
+            s = selw[j]
+            base = (w0 + uint32(j)) * uint32(32)
+            while s != uint32(0):
+                low = s & (~s + uint32(1))
+                groups[i, pos] = int32(base + uint32(cuda.popc(low - uint32(1))))
+                pos += int32(1)
+                s ^= low
+    return emit
+
+
+@functools.lru_cache(maxsize=None)
 def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
     """Top-k of rows with ``nb <= gmax``: radix select with a 4096-bin histogram, then bitmaps.
 
@@ -323,13 +403,13 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
     NT = threads
     KB = kb
     WORDS = gmax // 32
-    WPT = max(1, WORDS // NT)
     if WORDS % NT and WORDS > NT:
         raise ValueError("gmax/32 must be a multiple of threads")
     BPTMAX = max(1, HIST_BINS // NT)
     SCR = scan_scratch(NT)
     CAP = cap
     block_scan = make_block_scan(NT)
+    emit = make_emit(NT, WORDS)
     U31 = uint32(31)
     UN = LOAD_BATCH
 
@@ -353,7 +433,6 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
         state = cuda.shared.array(3, int32)
         ccount = cuda.shared.array(1, int32)
         scr = cuda.shared.array(SCR, int32)
-        selw = cuda.local.array(WPT, uint32)
         vals = cuda.local.array(UN, uint32)
         tid = uint32(cuda.threadIdx.x)
         lane = tid & U31
@@ -475,46 +554,288 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
                         _mark_word(eq, e, e < nb and km == prefix, lane)
         cuda.syncthreads()
 
-        # thread t owns bitmap words t*WPT .. t*WPT + WPT - 1: keep the `need` lowest equal groups
-        w0 = tid * uint32(WPT)
-        eqc = int32(0)
-        for j in range(WPT):
-            if w0 + uint32(j) < uint32(WORDS):
-                eqc += int32(cuda.popc(eq[w0 + uint32(j)]))
-        incl, total = block_scan(eqc, tid, scr)
-        eb = incl - eqc
-        cnt = int32(0)
-        for j in range(WPT):
-            s = uint32(0)
-            if w0 + uint32(j) < uint32(WORDS):
-                q = eq[w0 + uint32(j)]
-                pq = int32(cuda.popc(q))
-                keep = need - eb
-                if keep <= int32(0):
-                    q = uint32(0)
-                elif keep < pq:
-                    x = q
-                    for _ in range(keep):
-                        x &= x - uint32(1)
-                    q ^= x
-                eb += pq
-                s = gt[w0 + uint32(j)] | q
-            selw[j] = s
-            cnt += int32(cuda.popc(s))
-        incl, total = block_scan(cnt, tid, scr)
-        pos = incl - cnt
-        for j in range(WPT):
-            s = selw[j]
-            base = (w0 + uint32(j)) * uint32(32)
-            while s != uint32(0):
-                low = s & (~s + uint32(1))
-                groups[i, pos] = int32(base + uint32(cuda.popc(low - uint32(1))))
-                pos += int32(1)
-                s ^= low
+        emit(gt, eq, need, True, groups, i, tid, scr)
 
     topk_bitmap.threads = NT
     topk_bitmap.gmax = gmax
     return topk_bitmap
+
+
+# ------------------------------------------------------------------------------------------------
+# Register top-k: rows of up to ``threads * per_thread`` groups (8,192 on a GPU: 32K tokens at r = 4)
+# ------------------------------------------------------------------------------------------------
+
+REL_SHIFT = 15        # level 1 bins (best key - key) >> 15: 256 bins an octave below the row's best
+REL_BINS = 4096       # 16 octaves; every key further below shares the last bin
+REGISTER_THREADS = 512
+REGISTER_KEYS = 16    # keys a thread holds
+RANK_MAX = 128        # level-1 bins of at most this many keys are ranked directly
+
+
+def register_shape(threads=None):
+    """(threads, keys per thread) of the register kernel: rows of 8,192 groups on a GPU, read once
+    (``threads`` x 8192/threads keys; the profile's 512 x 16 keeps two blocks of <= 64 registers
+    per SM); 32 x 2 in the simulator (64 groups, so the tests also route rows to the bitmap
+    kernel)."""
+    if SIMULATOR:
+        return 32, 2
+    nt = threads or REGISTER_THREADS
+    return nt, REGISTER_THREADS * REGISTER_KEYS // nt
+
+
+if SIMULATOR:
+    @device_jit
+    def _block_max(v, lane, slot, at):
+        cuda.atomic.max(slot, at, v)
+else:
+    @device_jit
+    def _block_max(v, lane, slot, at):
+        """``slot[at] = max(slot[at], v over the block)``; ``slot[at]`` zeroed and synced before."""
+        # butterfly over the warp (unsigned keys through 32-bit shuffles), one atomic per warp
+        off = uint32(16)
+        while off > uint32(0):
+            v = max(v, uint32(cuda.shfl_xor_sync(FULL_MASK, int32(v), off)))
+            off >>= uint32(1)
+        if lane == uint32(0):
+            cuda.atomic.max(slot, at, v)
+
+
+@device_jit
+def _count(hist, b, run_bin, run_cnt):
+    """Run-length merged histogram add: an atomic only when the bin changes. -> (run_bin, run_cnt)"""
+    if b == run_bin:
+        return run_bin, int32(run_cnt + int32(1))
+    if run_cnt > int32(0):
+        cuda.atomic.add(hist, run_bin, run_cnt)
+    return b, int32(1)
+
+
+@functools.lru_cache(maxsize=None)
+def make_find_bin(threads, max_bins):
+    """Device fn ``find_bin(hist, nbins, need, tid, scr, state)``: the bin holding the ``need``-th key,
+    bin 0 the best. Thread ``t`` owns bins ``t*bpt ..`` (ascending), a block scan counts the keys in
+    better bins; writes ``state[0..2] = (bin, need within it, keys in it)``. Every thread calls it."""
+    NT = threads
+    BPTMAX = max(1, max_bins // NT)
+    block_scan = make_block_scan(NT)
+
+    @device_jit
+    def find_bin(hist, nbins, need, tid, scr, state):
+        bpt = max(uint32(1), uint32(nbins // uint32(NT)))
+        b0 = uint32(tid * bpt)
+        local = int32(0)
+        for j in range(BPTMAX):
+            bb = uint32(b0 + uint32(j))
+            if uint32(j) < bpt and bb < nbins:
+                local = int32(local + hist[bb])
+        incl, total = block_scan(local, tid, scr)
+        above = int32(incl - local)
+        for j in range(BPTMAX):
+            bb = uint32(b0 + uint32(j))
+            if uint32(j) < bpt and bb < nbins:
+                c = hist[bb]
+                if above < need and need <= above + c:
+                    state[0] = bb
+                    state[1] = uint32(need - above)
+                    state[2] = uint32(c)
+                above = int32(above + c)
+        cuda.syncthreads()
+    return find_bin
+
+
+@functools.lru_cache(maxsize=None)
+def make_topk_register_kernel(threads, per_thread, kb, r, rank_max=None):
+    """Top-k of rows with ``nb <= threads * per_thread``: the row read once, into registers.
+
+    One block of ``threads`` per row; thread ``t`` holds the relative keys ``d = best - key`` of
+    groups ``t + threads*j`` (``j < per_thread``; 0 for the row's best, NaN included; smaller is
+    better). The select narrows an interval ``[lo, last]`` of ``d`` that holds the ``Kb``-th best
+    key; every key below ``lo`` is selected.
+
+    - Level 1 bins ``min(d >> 15, 4095)``: 256 bins an octave below the best, so the few octaves a
+      row of scores spans spread over hundreds of bins and the shared atomics rarely collide; keys
+      16 octaves or more below share the last bin, counted without atomics.
+    - If the chosen bin holds at most ``rank_max`` keys (the usual case: a bin is 1/256 of an
+      octave), they are listed in shared memory and thread ``c`` ranks key ``c`` by (d, group id)
+      against the list: the ``need`` best are taken. No ties are left and no further level runs.
+    - Otherwise the block's min and max of the bin's keys narrow the interval (equal min and max:
+      one value, all ties: a plateau of zeros, say), and the bits below their common prefix are
+      resolved 8 at a time by shared histograms; a digit whose bin is taken whole ends it. The keys
+      left are exact ties, of which the ``need`` lowest groups are taken (the tie rule).
+
+    Ballots write the selected and tied groups as bitmaps and :func:`make_emit` writes the row
+    ascending. Exact and deterministic: atomics only count and list, and no list order matters.
+    Rows with ``nb <= Kb`` take groups ``0..nb-1`` and pad with -1. ``rank_max`` None:
+    :data:`RANK_MAX` (0: always histograms). Shared memory: ``4096*4 + threads*per_thread/4 +
+    8*rank_max`` bytes plus the scan scratch (21 KB on a GPU).
+    """
+    NT = threads
+    RK = per_thread
+    KB = kb
+    RMAX = RANK_MAX if rank_max is None else rank_max
+    CAND = max(1, RMAX)
+    GMAX = NT * RK
+    WORDS = max(1, GMAX // 32)
+    SCR = scan_scratch(NT)
+    emit = make_emit(NT, WORDS)
+    find_bin = make_find_bin(NT, REL_BINS)
+    LAST = uint32(REL_BINS - 1)
+    FAR = uint32((REL_BINS - 1) << REL_SHIFT)           # the last bin's first key
+    LOW = uint32((1 << REL_SHIFT) - 1)
+    U31 = uint32(31)
+
+    @jit(launch_bounds=(NT, max(1, 1024 // NT)))   # <= 64 registers: two 512-thread blocks per SM
+    def topk_registers(score_bits, req_ids, positions, seq_lens, groups):
+        hist = cuda.shared.array(REL_BINS, int32)
+        gt = cuda.shared.array(WORDS, uint32)
+        eq = cuda.shared.array(WORDS, uint32)
+        cand_d = cuda.shared.array(CAND, uint32)
+        cand_e = cuda.shared.array(CAND, uint32)
+        state = cuda.shared.array(7, uint32)     # bin, need in it, keys in it; best, max d, max ~d,
+        scr = cuda.shared.array(SCR, int32)      # listed keys
+        keys = cuda.local.array(RK, uint32)
+        tid = uint32(cuda.threadIdx.x)
+        lane = tid & U31
+        i = uint32(cuda.blockIdx.x)
+        req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
+        nb = uint32(min(nbi, int32(score_bits.shape[1])))
+        if nb <= uint32(KB):
+            for j in range(tid, uint32(KB), uint32(NT)):
+                g = int32(-1)
+                if j < nb:
+                    g = int32(j)
+                groups[i, j] = g
+            return
+
+        # numba widens uint32 arithmetic to 64 bits: the casts keep the per-key work 32-bit
+        nv = uint32(0)                           # this thread's keys j < nv are visible groups
+        if tid < nb:
+            nv = uint32((nb - tid + uint32(NT - 1)) // uint32(NT))
+        for j in range(RK):                      # every load in flight before any is used
+            v = uint32(0)
+            if uint32(j) < nv:
+                v = score_bits[i, uint32(tid + uint32(NT * j))]
+            keys[j] = v
+        best = uint32(0)
+        for j in range(RK):
+            k = ordered_bits(keys[j])
+            keys[j] = k
+            if uint32(j) < nv:
+                best = max(best, k)
+        for b in range(tid, uint32(REL_BINS), uint32(NT)):
+            hist[b] = int32(0)
+        for w in range(tid, uint32(WORDS), uint32(NT)):   # the simulator's ballots are atomic ORs
+            gt[w] = uint32(0)
+            eq[w] = uint32(0)
+        if tid < uint32(4):
+            state[3 + tid] = uint32(0)
+        cuda.syncthreads()
+        _block_max(best, lane, state, 3)
+        cuda.syncthreads()
+        best = state[3]
+
+        # level 1: octaves below the best
+        far = int32(0)
+        for j in range(RK):
+            d = uint32(best - keys[j])
+            keys[j] = d
+            if uint32(j) < nv:
+                if d >= FAR:
+                    far = int32(far + int32(1))
+                else:
+                    cuda.atomic.add(hist, uint32(d >> uint32(REL_SHIFT)), int32(1))
+        if far > int32(0):
+            cuda.atomic.add(hist, LAST, far)
+        cuda.syncthreads()
+        find_bin(hist, uint32(REL_BINS), int32(KB), tid, scr, state)
+        bstar = state[0]
+        need = int32(state[1])
+        cbin = int32(state[2])
+        cuda.syncthreads()
+        lo = uint32(bstar << uint32(REL_SHIFT))
+        last = FULL_MASK if bstar == LAST else uint32(lo | LOW)
+        taken = cbin == need                     # the whole interval is selected
+        ranked = False                           # the interval's keys are listed, ranked below
+        top = uint32(0)                          # bits of d still to resolve by histograms
+        if (not taken) and cbin <= int32(RMAX):
+            for j in range(RK):
+                d = keys[j]
+                if uint32(j) < nv and d >= lo and d <= last:
+                    slot = cuda.atomic.add(state, 6, uint32(1))
+                    cand_d[slot] = d
+                    cand_e[slot] = uint32(tid + uint32(NT * j))
+            ranked = True
+        elif not taken:                          # narrow to the keys' min and max
+            hi = uint32(0)
+            nlo = uint32(0)
+            for j in range(RK):
+                d = keys[j]
+                if uint32(j) < nv and d >= lo and d <= last:
+                    hi = max(hi, d)
+                    nlo = max(nlo, uint32(FULL_MASK - d))      # ~d, which numba widens
+            _block_max(hi, lane, state, 4)
+            _block_max(nlo, lane, state, 5)
+            cuda.syncthreads()
+            lo = uint32(FULL_MASK - state[5])
+            last = state[4]
+            # clz must see 32 bits
+            top = uint32(32) - uint32(cuda.clz(uint32(lo ^ last))) if lo != last else uint32(0)
+
+        while top > uint32(0) and not taken:
+            w = min(uint32(8), top)
+            shift = uint32(top - w)
+            nbins = uint32(uint32(1) << w)
+            for b in range(tid, nbins, uint32(NT)):
+                hist[b] = int32(0)
+            cuda.syncthreads()
+            run_bin = uint32(0)
+            run_cnt = int32(0)
+            for j in range(RK):
+                d = keys[j]
+                if uint32(j) < nv and d >= lo and d <= last:
+                    run_bin, run_cnt = _count(hist, uint32((d >> shift) & (nbins - uint32(1))),
+                                              run_bin, run_cnt)
+            if run_cnt > int32(0):
+                cuda.atomic.add(hist, run_bin, run_cnt)
+            cuda.syncthreads()
+            find_bin(hist, nbins, need, tid, scr, state)
+            bstar = state[0]
+            need = int32(state[1])
+            cbin = int32(state[2])
+            cuda.syncthreads()
+            # the digit's interval: lo's bits above `top`, the digit, then zeros / ones
+            base = uint32(uint32((uint64(lo) >> uint64(top)) << uint64(top)) | (bstar << shift))
+            lo = max(lo, base)
+            last = min(last, uint32(base | ((uint32(1) << shift) - uint32(1))))
+            taken = cbin == need
+            top = shift
+
+        ties = not (taken or ranked)
+        for j in range(RK):                      # one ballot per 32 groups and bitmap
+            e = uint32(tid + uint32(NT * j))
+            d = keys[j]
+            ok = uint32(j) < nv
+            inside = ok and d >= lo and d <= last
+            _mark_word(gt, e, ok and (d < lo or (taken and inside)), lane)
+            _mark_word(eq, e, ties and inside, lane)
+        cuda.syncthreads()
+        if ranked:                               # listed key c by (d, group id) among the list
+            for c in range(tid, uint32(cbin), uint32(NT)):
+                d = cand_d[c]
+                e = cand_e[c]
+                rank = int32(0)
+                for x in range(cbin):
+                    dx = cand_d[x]
+                    if dx < d or (dx == d and cand_e[x] < e):
+                        rank += int32(1)
+                if rank < need:
+                    cuda.atomic.or_(gt, e >> uint32(5), uint32(1) << (e & U31))
+            cuda.syncthreads()
+        emit(gt, eq, need, ties, groups, i, tid, scr)
+
+    topk_registers.threads = NT
+    topk_registers.gmax = GMAX
+    return topk_registers
 
 
 # as launched: C-contiguous score blocks, metadata and outputs
@@ -525,4 +846,7 @@ RESOURCE_CASES = [
 ] + [
     (f"topk.bitmap.kb512.t{t}", make_topk_bitmap_kernel(*bitmap_shape(t), 512, 4), _SIG,
      bitmap_shape(t)[0], 0, cc) for t in (512, 1024) for cc in ((7, 0), (9, 0))
+] + [
+    (f"topk.registers.kb512.t{t}", make_topk_register_kernel(*register_shape(t), 512, 4), _SIG, t,
+     0, cc) for t, cc in ((512, (9, 0)), (1024, (7, 0)))
 ]
