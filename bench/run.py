@@ -131,7 +131,9 @@ def line(r):
     elif r.get("route"):
         note = f"route {r['route']}"
     if r["stage"] == "host":
-        note = r["impl"] + ("  " + note if note else "")
+        loop = r.get("ms_host_loop")
+        note = r["impl"] + (f"  in a loop {loop:.3f}" if loop is not None else "") + (
+            "  " + note if note else "")
     vs = r.get("vs_fastest_peer")
     return (f"{r['case'][:24]:24s} {r['stage']:9s} {r['impl'][:16]:16s} "
             f"{fmt(r['ms_gpu'], '.3f', 9)} {fmt(r['ms_e2e'], '.3f', 9)} {fmt(r.get('tflops'), '.1f', 8)} "
@@ -369,7 +371,7 @@ def main(argv=None):
             json.dump(doc, f, indent=1, default=float)
         cpath = os.path.join(out_dir, "latest.csv")
         cols = ["case", "stage", "impl", "rows", "context", "dtype", "hq", "hkv", "page_size", "kb",
-                "ms_gpu", "ms_e2e", "ok", "tflops", "gbs", "pct_floor", "floor_ms",
+                "ms_gpu", "ms_e2e", "ms_host_loop", "ok", "tflops", "gbs", "pct_floor", "floor_ms",
                 "vs_fastest_peer", "fastest_peer", "overlap", "route", "dist", "syncs", "skipped",
                 "error"]
         with open(cpath, "w", newline="") as f:

@@ -667,7 +667,7 @@ def make_topk_register_kernel(threads, per_thread, kb, r, rank_max=None):
     ascending. Exact and deterministic: atomics only count and list, and no list order matters.
     Rows with ``nb <= Kb`` take groups ``0..nb-1`` and pad with -1. ``rank_max`` None:
     :data:`RANK_MAX` (0: always histograms). Shared memory: ``4096*4 + threads*per_thread/4 +
-    8*rank_max`` bytes plus the scan scratch (21 KB on a GPU).
+    8*rank_max`` bytes plus the scan scratch and state (19.1 KB on a GPU).
     """
     NT = threads
     RK = per_thread
