@@ -310,7 +310,7 @@ def variants(args):
         if c.G <= KT.bitmap_shape()[1]:
             tvars = [("topk.bitmap.t512", dict(route="bitmap", threads=512)),
                      ("topk.bitmap.t1024", dict(route="bitmap", threads=1024))] + tvars
-        if c.G <= KT.REGISTER_THREADS * KT.REGISTER_KEYS:
+        if c.G <= KT.register_groups():
             tvars = [(f"topk.registers.t{t}", dict(route="registers", threads=t))
                      for t in (512, 1024)] + tvars
         for name, kw in tvars:

@@ -114,8 +114,7 @@ def run(arch, routes, quick, seed=7):
         # top-k, both kernels, on the kernel's own scores (exact)
         own = sc.copy_to_host()
         kb = 8
-        nt, per = k_topk.register_shape()
-        fits = {"registers": nt * per, "bitmap": k_topk.bitmap_shape()[1]}
+        fits = {"registers": k_topk.register_groups(), "bitmap": k_topk.bitmap_shape()[1]}
         for route in k_topk.ROUTES:
             if own.shape[1] > fits.get(route, own.shape[1]):
                 continue                     # the simulator's small kernels take short rows only

@@ -234,9 +234,8 @@ ROUTES = ("registers", "bitmap", "radix")
 
 def topk_route(num_groups):
     """The kernel a score block of ``num_groups`` columns takes: the register kernel up to
-    ``register_shape()`` groups, the bitmap kernel up to ``bitmap_shape()[1]``, then the radix one."""
-    nt, per = register_shape()
-    if num_groups <= nt * per:
+    :func:`register_groups`, the bitmap kernel up to ``bitmap_shape()[1]``, then the radix one."""
+    if num_groups <= register_groups():
         return "registers"
     return "bitmap" if num_groups <= bitmap_shape()[1] else "radix"
 
@@ -567,20 +566,23 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
 
 REL_SHIFT = 15        # level 1 bins (best key - key) >> 15: 256 bins an octave below the row's best
 REL_BINS = 4096       # 16 octaves; every key further below shares the last bin
-REGISTER_THREADS = 512
-REGISTER_KEYS = 16    # keys a thread holds
+REGISTER_GROUPS = 8192  # longest row of the register kernel on a GPU (32K tokens at r = 4)
 RANK_MAX = 128        # level-1 bins of at most this many keys are ranked directly
 
 
-def register_shape(threads=None):
-    """(threads, keys per thread) of the register kernel: rows of 8,192 groups on a GPU, read once
-    (``threads`` x 8192/threads keys; the profile's 512 x 16 keeps two blocks of <= 64 registers
-    per SM); 32 x 2 in the simulator (64 groups, so the tests also route rows to the bitmap
-    kernel)."""
+def register_groups():
+    """Longest row the register kernel takes: 8,192 groups on a GPU; 64 in the simulator (so the
+    tests also route rows to the bitmap kernel)."""
+    return 64 if SIMULATOR else REGISTER_GROUPS
+
+
+def register_shape(threads):
+    """(threads, keys per thread) of a register kernel of ``threads`` threads: a row of
+    :func:`register_groups` groups read once (the sm_90 profile's 512 x 16 keeps two blocks of
+    <= 64 registers per SM); 32 x 2 in the simulator, whatever ``threads``."""
     if SIMULATOR:
         return 32, 2
-    nt = threads or REGISTER_THREADS
-    return nt, REGISTER_THREADS * REGISTER_KEYS // nt
+    return threads, REGISTER_GROUPS // threads
 
 
 if SIMULATOR:
