@@ -173,12 +173,15 @@ def scores_variants(arch, prof, d, ref_s, ok, name, label, sm70_tiled):
     """Index scores by the light kernel and this architecture's tensor-core variants (sm_70's
     m8n8k4 one only when ``sm70_tiled``: it takes float16), each against the oracle; returns the
     last variant's scores (device)."""
-    variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "generic")] if arch == "sm_90"
+    variants = [("light", None)] + ([("tiled", "keysm"), ("tiled", "keysm.shared"),
+                                     ("tiled", "generic")] if arch == "sm_90"
                                     else [("tiled", None)] if sm70_tiled else [])
     for route, variant in variants:
         sc = poison(cuda.device_array(ref_s.shape, np.float32))
         if route == "light":
             k_scores.launch_light(*d, sc, prof, 0)
+        elif variant == "keysm.shared":      # the block's few rows take the direct kernel otherwise
+            k_scores.launch_tiled(*d, sc, prof, 0, variant="keysm", direct=False)
         else:
             k_scores.launch_tiled(*d, sc, prof, 0, variant=variant)
         assert_matches_oracle(sc.copy_to_host(), ref_s, dtype="float16",

@@ -189,6 +189,43 @@ def test_index_scores_tiled(rng, monkeypatch, arch, hi, strided):
                           what=f"tiled {prof.scores.mma} scores")
 
 
+@pytest.mark.parametrize("dtype,strided", [(np.float16, False), (np.float16, True), (BF16, False)],
+                         ids=["float16", "float16-strided", "bfloat16"])
+def test_index_scores_direct(rng, monkeypatch, dtype, strided):
+    """The few-row keys-as-M kernel (registers straight from global memory, no block barrier)
+    against the oracle, forced onto 12 rows of three requests (two 8-row tiles: one with three
+    passes, inert, stale and padding rows, a row whose warp has no visible key) and bitwise equal
+    to the shared-memory keys-as-M kernel on the same rows: a row's scores do not depend on which
+    kernel its batch's size picks."""
+    from numba import cuda
+    from numqsa.kernels import index_scores as K
+    from numqsa.testing import to_device
+    from numqsa.plan import arch_profile
+    monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
+    lens = np.array([290, 13, 40], np.int32)
+    P = make_problem(lens, [5, 2, 1], page_size=64, Hi=4, Di=32, D=8, dtype=dtype,
+                     shared_index_table=False, seed=int(rng.integers(1 << 31)))
+    P = _with_odd_rows(P, rng)
+    P["req_ids"] = np.append(P["req_ids"], np.int32(0))     # a row that sees 2 groups only
+    P["positions"] = np.append(P["positions"], np.int32(9))
+    P["qi"] = np.concatenate([P["qi"], P["qi"][:1]])
+    G = 290 // 4
+    d = [to_device(np.ascontiguousarray(a)) for a in _batch(P)]
+    if strided:     # float16 element loads instead of uint32 words
+        ic = P["index_cache"]
+        wide = np.zeros(ic.shape[:2] + (2 * ic.shape[2],), ic.dtype)
+        wide[:, :, :ic.shape[2]] = ic
+        d[1] = to_device(wide)[:, :, :ic.shape[2]]
+    prof = arch_profile((9, 0))
+    got = {}
+    for direct in (True, False):
+        sc = poison(cuda.device_array((P["qi"].shape[0], G), np.float32))
+        K.launch_keysm(*d, sc, prof, 0, direct=direct)
+        got[direct] = sc.copy_to_host()
+    assert_matches_oracle(got[True], _scores_expect(P), dtype="float16", what="direct scores")
+    np.testing.assert_array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+
+
 # ------------------------------------------------------------------------------------------------
 # Top-k and expansion
 # ------------------------------------------------------------------------------------------------
@@ -396,6 +433,25 @@ def test_gpu_scores_routes_agree(route, seed, monkeypatch):
     want = _scores_expect(P)
     got = sel.index_scores(*d).copy_to_host()[:, :want.shape[1]]   # capacity wide (device seq_lens)
     assert_matches_oracle(got, want, dtype="float16", what=f"{route} scores")
+
+
+@pytest.mark.gpu
+def test_gpu_scores_batch_invariance(seed):
+    """A row's scores are bitwise the same in batches of 1 to 2,048 rows (the direct and the
+    shared-memory keys-as-M kernels, one and several row tiles), at 32K and 131K tokens."""
+    from numba import cuda
+    from numqsa.kernels import index_scores as K
+    for ctx in (32768, 131072):
+        P = make_problem([ctx], [2048], page_size=64, dtype=np.float16, seed=seed)
+        d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
+        G = ctx // 4
+        full = sel.index_scores(*d, num_groups=G).copy_to_host()
+        assert not K.direct_route(2048, G)
+        for a, n in ((2047, 1), (0, 5), (1000, 8), (7, 9), (1900, 33), (64, 64), (5, 700)):
+            qi, req, pos = (x[a:a + n] for x in (d[0], d[3], d[4]))
+            got = sel.index_scores(qi, d[1], d[2], req, pos, d[5], num_groups=G).copy_to_host()
+            np.testing.assert_array_equal(got.view(np.uint32), full[a:a + n].view(np.uint32),
+                                          err_msg=f"rows {a}..{a + n - 1} at {ctx}")
 
 
 @pytest.mark.gpu

@@ -8,7 +8,10 @@ Two routes over the same output ``scores [rows, num_groups]`` float32:
 - tiled (:func:`make_tiled_scores_kernel`): tensor cores (mma.sync m16n8k16 on sm_80+, m8n8k4 on
   sm_70, through :mod:`numqsa.kernels.mma`), float16 inputs -- or bfloat16 on sm_80+ (m16n8k16
   ``.bf16``) -- float32 accumulation, ReLU and head sum in the epilogue. Admitted by
-  :func:`numqsa.plan.plan_select`.
+  :func:`numqsa.plan.plan_select`. On sm_80+ with ``Hi <= 4`` the keys are the mma's M side
+  (:func:`make_keysm_scores_kernel`), and small blocks (:func:`direct_route`: a few rows) take
+  :func:`make_direct_scores_kernel`, whose warps load their operands straight into registers;
+  the two compute every score bitwise alike.
 
 bfloat16 arrays reach the kernels as uint16 bit views (:func:`numqsa.kernels.common.bits16`); the
 light kernel converts them element by element (any architecture), the tensor-core kernels feed the
@@ -563,20 +566,36 @@ def _word_bits(a, i, j, w):
     return _pack_bits(a[i, j, from_], a[i, j, from_ + uint32(1)])
 
 
+@functools.lru_cache(maxsize=None)
+def _key_locator(words):
+    """Device fn ``key_at(index_cache, ek, target, index_block_table, tcols, rpp, n_pages)``: where
+    group ``ek`` of request ``target`` lies -- its first word in the flat word view (``words``: the
+    cache's strides address it) or its row ``page * rpp + row`` (otherwise); -1 on no page."""
+    WORDS = bool(words)
+
+    @device_jit(forceinline=True)
+    def key_at(index_cache, ek, target, index_block_table, tcols, rpp, n_pages):
+        col = ek // rpp
+        at = int32(-1)
+        if col < tcols:
+            page = int32(index_block_table[target, col])
+            if page >= int32(0) and page < n_pages:
+                rr_ = ek - col * rpp
+                if WORDS:
+                    at = int32(uint32(page) * uint32(index_cache.strides[0] // 4)
+                               + rr_ * uint32(index_cache.strides[1] // 4))
+                else:
+                    at = int32(uint32(page) * rpp + rr_)
+        return at
+    return key_at
+
+
 def _keysm_shape(warps, tile_keys):
     """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, ``tile_keys`` keys (17 KB a
     buffer at 64); simulator: 2 warps, 16 keys. 4 warps (4 blocks of 124 registers a thread per SM)
     measured faster than 8 on the H200 at 1 x 131K (0.017 / 0.036 ms) and 4096 x 32K (0.186 /
     0.211), equal at 8192 x 131K (1.30 / 1.29)."""
     return (2, 16) if SIMULATOR else (warps, tile_keys)
-
-
-def keysm_launch_shape(rows):
-    """(warps, keys per tile) for a score block of ``rows`` rows: one warp of 8 rows and 16-key
-    tiles up to 8 rows (4x the blocks of a 4-warp, 64-key tiling: a row's few keys per block are
-    latency-bound), else 4 warps and 64 keys. The shapes compute a score bitwise alike (the same
-    mma k-steps in the same order), so a row's scores do not depend on its batch."""
-    return (1, 16) if rows <= 8 else (4, 64)
 
 
 #: Key tiles a keys-as-M block scores at most (its page ids are staged in shared memory at once).
@@ -644,22 +663,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile
     MINB = minb
     wait_one, wait_none = cp_async_wait_fn(1), cp_async_wait_fn(0)
 
-    @device_jit(forceinline=True)
-    def key_at(index_cache, ek, target, index_block_table, tcols, rpp, n_pages):
-        """Where group ``ek`` of request ``target`` lies: its first word in ``flat`` (words) or its
-        row ``page * rpp + row`` (otherwise); -1 on no page."""
-        col = ek // rpp
-        at = int32(-1)
-        if col < tcols:
-            page = int32(index_block_table[target, col])
-            if page >= int32(0) and page < n_pages:
-                rr_ = ek - col * rpp
-                if WORDS:
-                    at = int32(uint32(page) * uint32(index_cache.strides[0] // 4)
-                               + rr_ * uint32(index_cache.strides[1] // 4))
-                else:
-                    at = int32(uint32(page) * rpp + rr_)
-        return at
+    key_at = _key_locator(WORDS)
 
     @device_jit(forceinline=True)
     def load_tile(k_s, kbase, buf, first, nkeys, tid, s_at, index_cache, flat, rpp):
@@ -832,40 +836,262 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile
     return keysm_scores
 
 
+
+#: Score blocks of at most ``DIRECT_ROWS`` rows, or of at most ``DIRECT_SCORES`` scores, take the
+#: direct kernel (:func:`make_direct_scores_kernel`). H200, ms against the shared-memory kernel
+#: (``bench/NOTES.md``, session 6): 1x32K 0.0070 / 0.0125, 8x32K 0.0085 / 0.0164, 32x32K 0.0116 /
+#: 0.0164, 4x131K 0.0103 / 0.0178; but 64x32K 0.0191 / 0.0173 and 16x131K 0.0198 / 0.0192.
+DIRECT_ROWS = 8
+DIRECT_SCORES = 1 << 18
+
+
+def direct_route(rows, groups):
+    """Whether a ``rows x groups`` score block takes the direct keys-as-M kernel (in the simulator
+    by the row count alone, so the tests' small blocks also reach the shared-memory kernel)."""
+    return rows <= DIRECT_ROWS or (not SIMULATOR and rows * groups <= DIRECT_SCORES)
+
+
+@functools.lru_cache(maxsize=None)
+def make_direct_scores_kernel(hi, di, r, words, bf16=False, warps=4, tiles=2):
+    """Few-row keys-as-M scores: independent warps, no shared memory staging, no block barrier.
+
+    The block's ``warps`` warps share 8 query rows (grid y: ``ceil(rows / 8)``); warp ``w`` of block
+    ``x`` scores the ``16 * tiles`` keys from ``(x * warps + w) * 16 * tiles``. Each lane loads its
+    operands straight from global memory into registers: the B fragments (query row ``g``, words
+    ``8 ks + t`` and ``+ 4`` of every head and k-step), then, per distinct request of the rows, the
+    A fragments of every tile (key rows ``g`` and ``g + 8``, the same words: what ``ldmatrix``
+    gives :func:`make_keysm_scores_kernel` from shared memory). Its chain is three dependent loads
+    (row state, page id, key) and the mma; the keys-as-M block's serial barriers are what bounded
+    it at 1-8 rows (``bench/NOTES.md``). The mma k-steps run in the same order on the same
+    fragments, so a score is bitwise the keys-as-M kernel's: a row's scores do not depend on the
+    batch it is in. Signature as the keys-as-M kernel without ``keys_per_block``; grid
+    ``(ceil(G / (16 * tiles * warps)), ceil(rows / 8))``, ``32 * warps`` threads, no shared memory
+    on a GPU (the simulator's mma scratch only). Entries past ``nb`` (and inert rows) get ``-inf``.
+    """
+    from . import mma as M
+
+    if hi not in KEYSM_HEADS or di % 16:
+        raise ValueError(f"keys-as-M scores need Hi in {KEYSM_HEADS} and Di % 16 == 0")
+    WARPS = 2 if SIMULATOR else warps
+    TILES = tiles
+    KPW = 16 * TILES                    # keys per warp
+    NT = 32 * WARPS
+    HI = hi
+    KS = di // 16
+    AREG = TILES * KS * 4
+    ATS = 2 * TILES
+    BREG = hi * KS * 2
+    ACC = hi * 4
+    inv_sqrt = float32(1.0 / math.sqrt(di))
+    SCRW = M.SCRATCH_WORDS
+    U2, U3, U8, U31 = uint32(2), uint32(3), uint32(8), uint32(31)
+    F0 = float32(0.0)
+    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
+    word = _word_u32 if words else (_word_bits if bf16 else _word_f16)
+    WORDS = bool(words)
+    key_at = _key_locator(WORDS)
+
+    @device_jit(forceinline=True)
+    def key_word(index_cache, flat, at, w, rpp):
+        """Word ``w`` of the key at ``at`` (:func:`_key_locator`); 0 for no key (``at < 0``)."""
+        v = uint32(0)
+        if at >= int32(0):
+            if WORDS:
+                v = flat[uint32(at) + w]
+            else:
+                pg = uint32(at) // rpp
+                v = word(index_cache, pg, uint32(at) - pg * rpp, w)
+        return v
+
+    @jit(launch_bounds=(NT, 1))
+    def direct_scores(qi, index_cache, flat, index_block_table, req_ids, positions, seq_lens,
+                      scores):
+        scr = cuda.shared.array((WARPS, SCRW), uint32)
+        a_reg = cuda.local.array(AREG, uint32)
+        b_reg = cuda.local.array(BREG, uint32)
+        acc = cuda.local.array(ACC, float32)
+        rq = cuda.local.array(8, int32)
+        rnb = cuda.local.array(8, int32)
+
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & U31
+        g = lane >> U2
+        t = lane & U3
+        rows = uint32(scores.shape[0])
+        ngroups = uint32(scores.shape[1])
+        row0 = uint32(cuda.blockIdx.y) * U8
+        e_w = (uint32(cuda.blockIdx.x) * uint32(WARPS) + warp) * uint32(KPW)
+        if e_w >= ngroups:                         # uniform across the warp
+            return
+        n_pages = int32(index_cache.shape[0])
+        rpp = uint32(index_cache.shape[1])
+        tcols = uint32(index_block_table.shape[1])
+
+        # where this lane's keys lie for the first row's request, loaded beside the rows' states
+        # (the page ids then wait on one load, not on the row's visibility)
+        spec = int32(req_ids[row0])
+        if spec < int32(0) or spec >= int32(seq_lens.shape[0]):
+            spec = int32(-1)
+        at_s = cuda.local.array(ATS, int32)
+        for j in range(TILES):
+            for half in range(2):
+                at = int32(-1)
+                if spec >= int32(0):
+                    at = key_at(index_cache, e_w + uint32(16 * j + 8 * half) + g, spec,
+                                index_block_table, tcols, rpp, n_pages)
+                at_s[2 * j + half] = at
+
+        # the 8 rows' requests and visible groups (every lane: broadcast loads), and this lane's
+        # two output rows 2t, 2t+1 (the accumulator columns)
+        for s in range(8):
+            q_ = int32(-1)
+            nbv = int32(0)
+            if row0 + uint32(s) < rows:
+                q_, p, nbv = row_state(row0 + uint32(s), req_ids, positions, seq_lens, r)
+            rq[s] = q_
+            rnb[s] = min(nbv, int32(ngroups))
+        my_rq0, my_rq1 = int32(-1), int32(-1)
+        my_nb0, my_nb1 = int32(0), int32(0)
+        if row0 + U2 * t < rows:
+            my_rq0, p, my_nb0 = row_state(row0 + U2 * t, req_ids, positions, seq_lens, r)
+        if row0 + U2 * t + uint32(1) < rows:
+            my_rq1, p, my_nb1 = row_state(row0 + U2 * t + uint32(1), req_ids, positions, seq_lens,
+                                          r)
+        my_nb0 = min(my_nb0, int32(ngroups))
+        my_nb1 = min(my_nb1, int32(ngroups))
+
+        qrow = row0 + g                            # B fragments: query row g
+        for h in range(HI):
+            for ks in range(KS):
+                for j in range(2):
+                    v = uint32(0)
+                    if qrow < rows:
+                        v = word(qi, qrow, uint32(h), uint32(8 * ks + 4 * j) + t)
+                    b_reg[(h * KS + ks) * 2 + j] = v
+
+        # one pass per distinct request, in first-row order (a bitmask of the rows done, so the
+        # row arrays are only read at constant indices: they stay in registers)
+        done = uint32(0)
+        for s in range(8):
+            if rq[s] < int32(0):
+                done |= uint32(1 << s)
+        while done != uint32(0xFF):                # uniform across the warp
+            target = int32(-1)
+            for s in range(8):
+                if target < int32(0) and (done >> uint32(s)) & uint32(1) == uint32(0):
+                    target = rq[s]
+            nbmax = int32(0)
+            for s in range(8):
+                if rq[s] == target:
+                    nbmax = max(nbmax, rnb[s])
+                    done |= uint32(1 << s)
+            if int32(e_w) < nbmax:
+                for j in range(TILES):
+                    for half in range(2):
+                        e = e_w + uint32(16 * j + 8 * half) + g
+                        at = int32(-1)
+                        if int32(e) < nbmax:
+                            if target == spec:
+                                at = at_s[2 * j + half]
+                            else:
+                                at = key_at(index_cache, e, target, index_block_table, tcols,
+                                            rpp, n_pages)
+                        for ks in range(KS):
+                            for q in range(2):
+                                a_reg[(j * KS + ks) * 4 + half + 2 * q] = key_word(
+                                    index_cache, flat, at, uint32(8 * ks + 4 * q) + t, rpp)
+                for j in range(TILES):
+                    for a_ in range(ACC):
+                        acc[a_] = F0
+                    for ks in range(KS):
+                        ab = (j * KS + ks) * 4
+                        a = (a_reg[ab], a_reg[ab + 1], a_reg[ab + 2], a_reg[ab + 3])
+                        for h in range(HI):
+                            c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
+                            bi = (h * KS + ks) * 2
+                            d = mma16(a, (b_reg[bi], b_reg[bi + 1]), c, scr[warp], lane)
+                            acc[h * 4] = d[0]
+                            acc[h * 4 + 1] = d[1]
+                            acc[h * 4 + 2] = d[2]
+                            acc[h * 4 + 3] = d[3]
+                    for ii in range(4):
+                        v = F0
+                        for h in range(HI):
+                            v += relu(acc[h * 4 + ii])
+                        e = e_w + uint32(16 * j) + g + U8 * (uint32(ii) >> uint32(1))
+                        odd = (ii & 1) == 1
+                        lr = U2 * t + uint32(ii & 1)
+                        mine = my_rq1 == target if odd else my_rq0 == target
+                        nbr = my_nb1 if odd else my_nb0
+                        if row0 + lr < rows and mine and e < ngroups:
+                            if int32(e) < nbr:
+                                scores[row0 + lr, e] = v * inv_sqrt
+                            else:
+                                scores[row0 + lr, e] = NEG_INF
+
+        # this lane's rows no pass covered (inert, or every key of the warp past the longest row
+        # of the row's request): -inf, in the same store pattern
+        for ab in range(2):
+            mq = my_rq1 if ab == 1 else my_rq0
+            nbm = int32(0)
+            for s in range(8):
+                if rq[s] == mq:
+                    nbm = max(nbm, rnb[s])
+            lr = U2 * t + uint32(ab)
+            if row0 + lr < rows and not (mq >= int32(0) and int32(e_w) < nbm):
+                for j in range(TILES):
+                    for half in range(2):
+                        e = e_w + uint32(16 * j + 8 * half) + g
+                        if e < ngroups:
+                            scores[row0 + lr, e] = NEG_INF
+
+    direct_scores.threads = NT
+    direct_scores.keys_per_block = KPW * WARPS
+    return direct_scores
+
+
 def keysm_supported(profile, qi):
     return profile.scores.mma == "m16n8k16" and int(qi.shape[1]) in KEYSM_HEADS
 
 
 def launch_keysm(qi, index_cache, index_block_table, req_ids, positions, seq_lens, scores,
                  profile, stream, r=4, span_tiles=KEYSM_SPAN_TILES, warps=None, minb=4,
-                 tile_keys=None):
-    """Launch the keys-as-M route; ``span_tiles`` key tiles per block at most (the queries are
-    loaded into registers once per block); ``warps`` / ``tile_keys`` default to
-    :func:`keysm_launch_shape`."""
+                 tile_keys=None, direct=None, direct_shape=(4, 2)):
+    """Launch the keys-as-M route: the direct kernel for small blocks (:func:`direct_route`;
+    ``direct`` forces it on or off, ``direct_shape`` is its (warps, tiles)), else the
+    shared-memory kernel with ``span_tiles`` key tiles per block at most (the queries are loaded
+    into registers once per block), ``warps`` (4) and ``tile_keys`` (64)."""
     rows, groups = scores.shape
     if rows == 0 or groups == 0:
         return scores
     if not 1 <= span_tiles <= KEYSM_SPAN_TILES:
         raise ValueError(f"span_tiles must be in 1..{KEYSM_SPAN_TILES}, got {span_tiles}")
+    hi, di = int(qi.shape[1]), int(qi.shape[2])
     wq, wk = word_view(qi), word_view(index_cache)
     flat = _flat_words(wk)
     words = wq is not None and flat is not None
     bf16 = is_bf16(qi)
-    w0, t0 = keysm_launch_shape(rows)
-    k = make_keysm_scores_kernel(int(qi.shape[1]), int(qi.shape[2]), int(r), words, warps or w0,
-                                 minb, bf16, tile_keys or t0)
-    row_tiles = -(-rows // k.rows_per_block)
-    tn = k.keys_per_tile
-    span = tn * span_tiles
-    while span > tn and row_tiles * -(-groups // span) < 4 * profile.sm_count:
-        span //= 2
-    grid = (-(-groups // span), row_tiles)
     if words:
         qi, index_cache = wq, wk
     else:
         qi, index_cache = bits16(qi), bits16(index_cache)
         from .. import device as dev
         flat = dev.constant(np.zeros(4, np.uint32), stream)
+    if direct_route(rows, groups) if direct is None else direct:
+        w_, t_ = direct_shape              # element loads: one tile (two stay in local memory)
+        k = make_direct_scores_kernel(hi, di, int(r), words, bf16, w_, t_ if words else 1)
+        grid = (-(-groups // k.keys_per_block), -(-rows // 8))
+        k[grid, k.threads, stream](qi, index_cache, flat, index_block_table, req_ids, positions,
+                                   seq_lens, scores)
+        return scores
+    k = make_keysm_scores_kernel(hi, di, int(r), words, warps or 4, minb, bf16, tile_keys or 64)
+    row_tiles = -(-rows // k.rows_per_block)
+    tn = k.keys_per_tile
+    span = tn * span_tiles
+    while span > tn and row_tiles * -(-groups // span) < 4 * profile.sm_count:
+        span //= 2
+    grid = (-(-groups // span), row_tiles)
     k[grid, k.threads, stream](qi, index_cache, flat, index_block_table, req_ids, positions,
                                seq_lens, np.int32(span), scores)
     return scores
@@ -912,9 +1138,9 @@ for _words in (True, False):
     _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], uint32[:], int32[:, :], int32[:], int32[:], "
             "int32[:], int32, float32[:, :])")
     RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))
-    if _words:                            # the few-row shape (keysm_launch_shape)
-        _k = make_keysm_scores_kernel(4, 128, 4, _words, 1, 4, False, 16)
-        RESOURCE_CASES.append(("index_scores.keysm.uint32.w1t16", _k, _sig, _k.threads, 0, (9, 0)))
+    _k = make_direct_scores_kernel(4, 128, 4, _words)      # small blocks (direct_route)
+    _dsig = _sig.replace("int32[:], int32, float32", "int32[:], float32")
+    RESOURCE_CASES.append((f"index_scores.direct.{_t}", _k, _dsig, _k.threads, 0, (9, 0)))
 # bfloat16 (uint16 bit arrays): light on every architecture, tensor cores on sm_80+
 _BF = ("void(uint16[:, :, :], uint16[:, :, :], int32[:, :], int32[:], int32[:], int32[:], int32, "
        "float32[:, :])")

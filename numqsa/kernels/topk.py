@@ -11,7 +11,7 @@ row length (:func:`topk_route`):
 - **registers** (up to 8,192 groups: 32K tokens): the row read once into registers, level 1 binned
   relative to the row's best score (:func:`make_topk_register_kernel`);
 - **bitmap** (up to 32,768 groups: 131K tokens): a 4096-bin first level, then candidates in shared
-  memory (:func:`make_topk_bitmap_kernel`);
+  memory, or the bin's ties straight away (:func:`make_topk_bitmap_kernel`);
 - **radix** (longer rows): four 8-bit levels streamed from global memory (:func:`make_topk_kernel`).
 
 Scores are read as their uint32 bit patterns (a float32 array viewed as uint32); ``-0.0`` counts as
@@ -295,7 +295,7 @@ else:
         # the 32 lanes hold e = 32*w + lane: one ballot is bitmap word w (plain store, no atomics)
         w = cuda.ballot_sync(FULL_MASK, pred)
         if lane == uint32(0):
-            bm[e >> uint32(5)] = w
+            bm[uint32(e >> uint32(5))] = w
 
     @device_jit
     def _append_slot(cnt, pred, lane):
@@ -310,6 +310,33 @@ else:
             if pred:
                 slot = base + int32(cuda.popc(b & ((uint32(1) << lane) - uint32(1))))
         return slot
+
+
+if SIMULATOR:
+    @device_jit
+    def _block_max(v, lane, slot, at):
+        cuda.atomic.max(slot, at, v)
+else:
+    @device_jit
+    def _block_max(v, lane, slot, at):
+        """``slot[at] = max(slot[at], v over the block)``; ``slot[at]`` zeroed and synced before."""
+        # butterfly over the warp (unsigned keys through 32-bit shuffles), one atomic per warp
+        off = uint32(16)
+        while off > uint32(0):
+            v = max(v, uint32(cuda.shfl_xor_sync(FULL_MASK, int32(v), off)))
+            off >>= uint32(1)
+        if lane == uint32(0):
+            cuda.atomic.max(slot, at, v)
+
+
+@device_jit
+def _count(hist, b, run_bin, run_cnt):
+    """Run-length merged histogram add: an atomic only when the bin changes. -> (run_bin, run_cnt)"""
+    if b == run_bin:
+        return run_bin, int32(run_cnt + int32(1))
+    if run_cnt > int32(0):
+        cuda.atomic.add(hist, run_bin, run_cnt)
+    return b, int32(1)
 
 
 BITMAP_THREADS = 512
@@ -385,18 +412,21 @@ def make_emit(threads, words):
 
 
 @functools.lru_cache(maxsize=None)
-def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
+def make_topk_bitmap_kernel(threads, gmax, cap, kb, r, batch=LOAD_BATCH):
     """Top-k of rows with ``nb <= gmax``: radix select with a 4096-bin histogram, then bitmaps.
 
     One block of ``threads`` per row. Level 1 histograms the top 12 ordered bits of the row's
     visible scores (one read of the row); the bin holding the ``Kb``-th best key is found by a block
     scan. If that bin holds at most ``cap`` keys, a second read marks every key of a higher bin in
     the "greater" bitmap (one ballot per 32 groups) and appends the bin's keys to a shared candidate
-    list, and the remaining 12 + 8 bits are resolved in shared memory. Otherwise (plateaus: many
-    equal scores) the levels continue over global memory and a last read marks "greater" and
-    "equal" bitmaps with the exact threshold. Output: exclusive scans over the bitmap words give
-    each selected group its place; the ``m`` lowest equal groups are kept (the tie rule), so the
-    result is exact, deterministic (no atomic order matters) and ascending.
+    list, and the remaining 12 + 8 bits are resolved in shared memory. Otherwise the second read
+    marks the groups above the bin and in it and finds the bin's min and max key: equal, the bin's
+    keys are exact ties (zero plateaus, few distinct values) and the marks are the answer; else the
+    levels continue over global memory and a last read marks "greater" and "equal" bitmaps with
+    the exact threshold. The per-score loops are written in 32-bit arithmetic (numba widens uint32
+    to 64 bits otherwise: 7% of the time at 8192 x 131K). Output: exclusive scans over the bitmap
+    words give each selected group its place; the ``m`` lowest equal groups are kept (the tie
+    rule), so the result is exact, deterministic (no atomic order matters) and ascending.
     Shared memory: ``4096*4 + cap*8 + gmax/4 + scan scratch`` bytes (40 KB on a GPU).
     """
     NT = threads
@@ -410,16 +440,17 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
     block_scan = make_block_scan(NT)
     emit = make_emit(NT, WORDS)
     U31 = uint32(31)
-    UN = LOAD_BATCH
+    UN = batch
 
     @device_jit
     def _load_batch(score_bits, i, e, nb, vals):
         # UN independent loads in flight per thread: one dependent load per element left the
         # passes latency-bound (~1 TB/s measured on the H200)
         for j in range(UN):
+            x = uint32(e + uint32(NT * j))
             v = uint32(0)
-            if e + uint32(NT * j) < nb:
-                v = score_bits[i, e + uint32(NT * j)]
+            if x < nb:
+                v = score_bits[i, x]
             vals[j] = v
 
     @jit(launch_bounds=(NT, max(1, 1024 // NT)))   # <= 64 registers: two 512-thread blocks per SM
@@ -430,6 +461,7 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
         gt = cuda.shared.array(WORDS, uint32)
         eq = cuda.shared.array(WORDS, uint32)
         state = cuda.shared.array(3, int32)
+        mm = cuda.shared.array(2, uint32)       # a big bin's max key and max ~key
         ccount = cuda.shared.array(1, int32)
         scr = cuda.shared.array(SCR, int32)
         vals = cuda.local.array(UN, uint32)
@@ -452,10 +484,13 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
             eq[w] = uint32(0)
         if tid == uint32(0):
             ccount[0] = int32(0)
+            mm[0] = uint32(0)
+            mm[1] = uint32(0)
         prefix = uint32(0)
         mask = uint32(0)
         need = int32(KB)
         collected = False
+        single = False                       # gt and eq hold the exact selection and ties
         for lev in range(3):
             shift = uint32(20) if lev == 0 else (uint32(8) if lev == 1 else uint32(0))
             nbins = uint32(HIST_BINS) if lev < 2 else uint32(256)
@@ -467,27 +502,24 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
                 ncand = uint32(ccount[0])
                 for j in range(tid, ncand, uint32(NT)):
                     k = cand_k[j]
-                    if (k & mask) == prefix:
-                        cuda.atomic.add(hist, (k >> shift) & bmask, int32(1))
+                    if uint32(k & mask) == prefix:
+                        cuda.atomic.add(hist, uint32(uint32(k >> shift) & bmask), int32(1))
             else:
                 # run-length merged: an all-zero plateau costs one atomic per thread, not one per
                 # score (a warp-aggregated match.any measured slower: 0.57 vs 0.47 ms at 4096 x 32K)
+                # (32-bit casts throughout the per-score loops: numba widens uint32 arithmetic)
                 run_bin = uint32(0)
                 run_cnt = int32(0)
-                for e0 in range(0, nb, uint32(NT * UN)):
-                    _load_batch(score_bits, i, e0 + tid, nb, vals)
+                e0 = uint32(0)
+                while e0 < nb:
+                    _load_batch(score_bits, i, uint32(e0 + tid), nb, vals)
                     for j in range(UN):
-                        if e0 + tid + uint32(NT * j) < nb:
+                        if uint32(e0 + tid + uint32(NT * j)) < nb:
                             k = ordered_bits(vals[j])
-                            if (k & mask) == prefix:
-                                b = (k >> shift) & bmask
-                                if b == run_bin:
-                                    run_cnt += int32(1)
-                                else:
-                                    if run_cnt > int32(0):
-                                        cuda.atomic.add(hist, run_bin, run_cnt)
-                                    run_bin = b
-                                    run_cnt = int32(1)
+                            if uint32(k & mask) == prefix:
+                                run_bin, run_cnt = _count(hist, uint32(uint32(k >> shift) & bmask),
+                                                          run_bin, run_cnt)
+                    e0 = uint32(e0 + uint32(NT * UN))
                 if run_cnt > int32(0):
                     cuda.atomic.add(hist, run_bin, run_cnt)
             cuda.syncthreads()
@@ -510,47 +542,83 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
                         state[2] = c
                     above += c
             cuda.syncthreads()
-            prefix |= uint32(state[0]) << shift
-            mask |= bmask << shift
+            prefix = uint32(prefix | uint32(uint32(state[0]) << shift))
+            mask = uint32(mask | uint32(bmask << shift))
             need = state[1]
             cbin = state[2]
             cuda.syncthreads()
             if cbin == need:                 # the whole bin is taken: no finer digit matters
                 break
-            if (not collected) and lev < 2 and cbin <= int32(CAP):
-                for e0 in range(0, nbpad, uint32(NT * UN)):
-                    _load_batch(score_bits, i, e0 + tid, nb, vals)
+            if lev == 0 and cbin > int32(CAP):
+                # a bin too big to list (plateaus, few distinct values): mark the groups above it
+                # and in it while finding its keys' min and max; one value means exact ties
+                hi = uint32(0)
+                nlo = uint32(0)
+                e0 = uint32(0)
+                while e0 < nbpad:
+                    _load_batch(score_bits, i, uint32(e0 + tid), nb, vals)
                     for j in range(UN):
-                        e = e0 + tid + uint32(NT * j)
+                        e = uint32(e0 + tid + uint32(NT * j))
+                        if e < nbpad:
+                            k = ordered_bits(vals[j])
+                            km = uint32(k & mask)
+                            inside = e < nb and km == prefix
+                            _mark_word(gt, e, e < nb and km > prefix, lane)
+                            _mark_word(eq, e, inside, lane)
+                            if inside:
+                                hi = max(hi, k)
+                                nlo = max(nlo, uint32(FULL_MASK - k))   # ~k, which numba widens
+                    e0 = uint32(e0 + uint32(NT * UN))
+                _block_max(hi, lane, mm, 0)
+                _block_max(nlo, lane, mm, 1)
+                cuda.syncthreads()
+                if mm[0] == uint32(FULL_MASK - mm[1]):
+                    single = True
+                    break
+                for w in range(tid, uint32(WORDS), uint32(NT)):    # several values: unmark
+                    gt[w] = uint32(0)
+                    eq[w] = uint32(0)
+                cuda.syncthreads()
+            if (not collected) and lev < 2 and cbin <= int32(CAP):
+                e0 = uint32(0)
+                while e0 < nbpad:
+                    _load_batch(score_bits, i, uint32(e0 + tid), nb, vals)
+                    for j in range(UN):
+                        e = uint32(e0 + tid + uint32(NT * j))
                         if e < nbpad:                # whole warps: the ballots below
                             k = ordered_bits(vals[j])
-                            km = k & mask
+                            km = uint32(k & mask)
                             _mark_word(gt, e, e < nb and km > prefix, lane)
                             slot = _append_slot(ccount, e < nb and km == prefix, lane)
                             if slot >= int32(0):
                                 cand_k[slot] = k
                                 cand_e[slot] = e
+                    e0 = uint32(e0 + uint32(NT * UN))
                 collected = True
                 cuda.syncthreads()
 
-        if collected:
+        if single:
+            pass
+        elif collected:
             ncand = uint32(ccount[0])
             for j in range(tid, ncand, uint32(NT)):
-                km = cand_k[j] & mask
+                km = uint32(cand_k[j] & mask)
                 e = cand_e[j]
                 if km > prefix:
                     cuda.atomic.or_(gt, e >> uint32(5), uint32(1) << (e & U31))
                 elif km == prefix:
                     cuda.atomic.or_(eq, e >> uint32(5), uint32(1) << (e & U31))
         else:
-            for e0 in range(0, nbpad, uint32(NT * UN)):
-                _load_batch(score_bits, i, e0 + tid, nb, vals)
+            e0 = uint32(0)
+            while e0 < nbpad:
+                _load_batch(score_bits, i, uint32(e0 + tid), nb, vals)
                 for j in range(UN):
-                    e = e0 + tid + uint32(NT * j)
+                    e = uint32(e0 + tid + uint32(NT * j))
                     if e < nbpad:
-                        km = ordered_bits(vals[j]) & mask
+                        km = uint32(ordered_bits(vals[j]) & mask)
                         _mark_word(gt, e, e < nb and km > prefix, lane)
                         _mark_word(eq, e, e < nb and km == prefix, lane)
+                e0 = uint32(e0 + uint32(NT * UN))
         cuda.syncthreads()
 
         emit(gt, eq, need, True, groups, i, tid, scr)
@@ -583,33 +651,6 @@ def register_shape(threads):
     if SIMULATOR:
         return 32, 2
     return threads, REGISTER_GROUPS // threads
-
-
-if SIMULATOR:
-    @device_jit
-    def _block_max(v, lane, slot, at):
-        cuda.atomic.max(slot, at, v)
-else:
-    @device_jit
-    def _block_max(v, lane, slot, at):
-        """``slot[at] = max(slot[at], v over the block)``; ``slot[at]`` zeroed and synced before."""
-        # butterfly over the warp (unsigned keys through 32-bit shuffles), one atomic per warp
-        off = uint32(16)
-        while off > uint32(0):
-            v = max(v, uint32(cuda.shfl_xor_sync(FULL_MASK, int32(v), off)))
-            off >>= uint32(1)
-        if lane == uint32(0):
-            cuda.atomic.max(slot, at, v)
-
-
-@device_jit
-def _count(hist, b, run_bin, run_cnt):
-    """Run-length merged histogram add: an atomic only when the bin changes. -> (run_bin, run_cnt)"""
-    if b == run_bin:
-        return run_bin, int32(run_cnt + int32(1))
-    if run_cnt > int32(0):
-        cuda.atomic.add(hist, run_bin, run_cnt)
-    return b, int32(1)
 
 
 @functools.lru_cache(maxsize=None)
