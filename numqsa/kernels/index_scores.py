@@ -590,6 +590,37 @@ def _key_locator(words):
     return key_at
 
 
+@functools.lru_cache(maxsize=None)
+def _head_mma(hi, ksteps, bf16):
+    """The keys-as-M kernels' arithmetic, one A fragment (16 keys) feeding ``hi`` mmas, one a
+    head: ``head_step(a, b_reg, acc, ks, scr, lane)`` adds k-step ``ks`` of every head into
+    ``acc`` (``hi * 4`` floats, head ``h`` at ``4h .. 4h + 3``; ``b_reg`` the B fragments, head
+    ``h`` and k-step ``ks`` at ``2 (h * ksteps + ks)``); ``head_sum(acc, ii)`` is the ReLU sum over
+    the heads of accumulator element ``ii``. Shared by both kernels, so they compute a score alike."""
+    from . import mma as M
+    HI, KS = hi, ksteps
+    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
+
+    @device_jit(forceinline=True)
+    def head_step(a, b_reg, acc, ks, scr, lane):
+        for h in range(HI):
+            c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
+            bi = (h * KS + ks) * 2
+            d = mma16(a, (b_reg[bi], b_reg[bi + 1]), c, scr, lane)
+            acc[h * 4] = d[0]
+            acc[h * 4 + 1] = d[1]
+            acc[h * 4 + 2] = d[2]
+            acc[h * 4 + 3] = d[3]
+
+    @device_jit(forceinline=True)
+    def head_sum(acc, ii):
+        v = float32(0.0)
+        for h in range(HI):
+            v += relu(acc[h * 4 + ii])
+        return v
+    return head_step, head_sum
+
+
 def _keysm_shape(warps, tile_keys):
     """(warps, keys per shared tile). GPU: ``warps`` x 8 query rows, ``tile_keys`` keys (17 KB a
     buffer at 64); simulator: 2 warps, 16 keys. 4 warps (4 blocks of 124 registers a thread per SM)
@@ -657,7 +688,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile
     SCRW = M.SCRATCH_WORDS
     U2, U3, U4, U8, U31 = uint32(2), uint32(3), uint32(4), uint32(8), uint32(31)
     F0 = float32(0.0)
-    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
+    head_step, head_sum = _head_mma(hi, KS, bool(bf16))
     word = _word_u32 if words else (_word_bits if bf16 else _word_f16)
     WORDS = bool(words)
     MINB = minb
@@ -794,19 +825,10 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile
                         arow = a_lane + boff + uint32(16 * 4 * DIWP * mt)
                         for ks in range(KS):
                             a = ldmatrix_x4(k_s, arow + uint32(32 * ks), scr[warp], lane)
-                            for h in range(HI):
-                                c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
-                                bi = (h * KS + ks) * 2
-                                d = mma16(a, (b_reg[bi], b_reg[bi + 1]), c, scr[warp], lane)
-                                acc[h * 4] = d[0]
-                                acc[h * 4 + 1] = d[1]
-                                acc[h * 4 + 2] = d[2]
-                                acc[h * 4 + 3] = d[3]
+                            head_step(a, b_reg, acc, ks, scr[warp], lane)
                         m = uint32(16 * mt) + g
                         for ii in range(4):
-                            v = F0
-                            for h in range(HI):
-                                v += relu(acc[h * 4 + ii])
+                            v = head_sum(acc, ii)
                             e = e0 + m + U8 * (uint32(ii) >> uint32(1))
                             lr = la + uint32(ii & 1)
                             orow = row0 + lr
@@ -886,7 +908,7 @@ def make_direct_scores_kernel(hi, di, r, words, bf16=False, warps=4, tiles=2):
     SCRW = M.SCRATCH_WORDS
     U2, U3, U8, U31 = uint32(2), uint32(3), uint32(8), uint32(31)
     F0 = float32(0.0)
-    mma16 = M.mma_m16n8k16_bf16 if bf16 else M.mma_m16n8k16_f16
+    head_step, head_sum = _head_mma(hi, KS, bool(bf16))
     word = _word_u32 if words else (_word_bits if bf16 else _word_f16)
     WORDS = bool(words)
     key_at = _key_locator(WORDS)
@@ -1007,18 +1029,9 @@ def make_direct_scores_kernel(hi, di, r, words, bf16=False, warps=4, tiles=2):
                     for ks in range(KS):
                         ab = (j * KS + ks) * 4
                         a = (a_reg[ab], a_reg[ab + 1], a_reg[ab + 2], a_reg[ab + 3])
-                        for h in range(HI):
-                            c = (acc[h * 4], acc[h * 4 + 1], acc[h * 4 + 2], acc[h * 4 + 3])
-                            bi = (h * KS + ks) * 2
-                            d = mma16(a, (b_reg[bi], b_reg[bi + 1]), c, scr[warp], lane)
-                            acc[h * 4] = d[0]
-                            acc[h * 4 + 1] = d[1]
-                            acc[h * 4 + 2] = d[2]
-                            acc[h * 4 + 3] = d[3]
+                        head_step(a, b_reg, acc, ks, scr[warp], lane)
                     for ii in range(4):
-                        v = F0
-                        for h in range(HI):
-                            v += relu(acc[h * 4 + ii])
+                        v = head_sum(acc, ii)
                         e = e_w + uint32(16 * j) + g + U8 * (uint32(ii) >> uint32(1))
                         odd = (ii & 1) == 1
                         lr = U2 * t + uint32(ii & 1)
@@ -1138,7 +1151,7 @@ for _words in (True, False):
     _sig = (f"void({_t}[:, :, :], {_t}[:, :, :], uint32[:], int32[:, :], int32[:], int32[:], "
             "int32[:], int32, float32[:, :])")
     RESOURCE_CASES.append((f"index_scores.keysm.{_t}", _k, _sig, _k.threads, 0, (9, 0)))
-    _k = make_direct_scores_kernel(4, 128, 4, _words)      # small blocks (direct_route)
+    _k = make_direct_scores_kernel(4, 128, 4, _words, tiles=2 if _words else 1)   # as launched
     _dsig = _sig.replace("int32[:], int32, float32", "int32[:], float32")
     RESOURCE_CASES.append((f"index_scores.direct.{_t}", _k, _dsig, _k.threads, 0, (9, 0)))
 # bfloat16 (uint16 bit arrays): light on every architecture, tensor cores on sm_80+

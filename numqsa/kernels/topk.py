@@ -107,6 +107,23 @@ def ordered_bits(b):
     return FULL_MASK if (b & ABS_MASK) > EXP_MASK else k
 
 
+@device_jit(forceinline=True)
+def _visible(i, req_ids, positions, seq_lens, r, width):
+    """Row ``i``'s visible groups (spec §4), at most the score block's ``width``."""
+    req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
+    return uint32(min(nbi, int32(width)))
+
+
+@device_jit(forceinline=True)
+def _take_all(groups, i, nb, tid, threads, kb):
+    """A row that sees ``nb <= Kb`` groups takes groups ``0 .. nb-1`` and pads with -1 (no select)."""
+    for j in range(tid, uint32(kb), uint32(threads)):
+        g = int32(-1)
+        if j < nb:
+            g = int32(j)
+        groups[i, j] = g
+
+
 @functools.lru_cache(maxsize=None)
 def make_topk_kernel(threads, kb, r):
     """Top-k kernel: one block of ``threads`` threads per row; grid ``rows``.
@@ -134,14 +151,9 @@ def make_topk_kernel(threads, kb, r):
         scr = cuda.shared.array(SCR, int32)
         tid = uint32(cuda.threadIdx.x)
         i = uint32(cuda.blockIdx.x)
-        req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
-        nb = uint32(min(nbi, int32(score_bits.shape[1])))
+        nb = _visible(i, req_ids, positions, seq_lens, r, score_bits.shape[1])
         if nb <= uint32(KB):
-            for j in range(tid, uint32(KB), uint32(NT)):
-                g = int32(-1)
-                if j < nb:
-                    g = int32(j)
-                groups[i, j] = g
+            _take_all(groups, i, nb, tid, NT, KB)
             return
 
         prefix = uint32(0)
@@ -157,14 +169,7 @@ def make_topk_kernel(threads, kb, r):
             for e in range(tid, nb, uint32(NT)):
                 k = ordered_bits(score_bits[i, e])
                 if (k & mask) == prefix:
-                    b = (k >> shift) & uint32(255)
-                    if b == run_bin:
-                        run_cnt += int32(1)
-                    else:
-                        if run_cnt > int32(0):
-                            cuda.atomic.add(hist, run_bin, run_cnt)
-                        run_bin = b
-                        run_cnt = int32(1)
+                    run_bin, run_cnt = _count(hist, (k >> shift) & uint32(255), run_bin, run_cnt)
             if run_cnt > int32(0):
                 cuda.atomic.add(hist, run_bin, run_cnt)
             cuda.syncthreads()
@@ -273,7 +278,7 @@ def launch_topk(score_bits, req_ids, positions, seq_lens, groups, profile, strea
 # ------------------------------------------------------------------------------------------------
 
 HIST_BINS = 4096
-LOAD_BATCH = 8      # scores loaded per thread before any is processed
+LOAD_BATCH = 8      # scores loaded per thread before any is processed (16 spills: NOTES, session 6)
 # radix levels over the 32 ordered bits: (shift, width), most significant first
 LEVELS = ((20, 12), (8, 12), (0, 8))
 
@@ -412,7 +417,7 @@ def make_emit(threads, words):
 
 
 @functools.lru_cache(maxsize=None)
-def make_topk_bitmap_kernel(threads, gmax, cap, kb, r, batch=LOAD_BATCH):
+def make_topk_bitmap_kernel(threads, gmax, cap, kb, r):
     """Top-k of rows with ``nb <= gmax``: radix select with a 4096-bin histogram, then bitmaps.
 
     One block of ``threads`` per row. Level 1 histograms the top 12 ordered bits of the row's
@@ -440,7 +445,7 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r, batch=LOAD_BATCH):
     block_scan = make_block_scan(NT)
     emit = make_emit(NT, WORDS)
     U31 = uint32(31)
-    UN = batch
+    UN = LOAD_BATCH
 
     @device_jit
     def _load_batch(score_bits, i, e, nb, vals):
@@ -468,14 +473,9 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r, batch=LOAD_BATCH):
         tid = uint32(cuda.threadIdx.x)
         lane = tid & U31
         i = uint32(cuda.blockIdx.x)
-        req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
-        nb = uint32(min(nbi, int32(score_bits.shape[1])))
+        nb = _visible(i, req_ids, positions, seq_lens, r, score_bits.shape[1])
         if nb <= uint32(KB):
-            for j in range(tid, uint32(KB), uint32(NT)):
-                g = int32(-1)
-                if j < nb:
-                    g = int32(j)
-                groups[i, j] = g
+            _take_all(groups, i, nb, tid, NT, KB)
             return
         nbpad = (nb + U31) & ~U31          # whole warps in the marking loops (ballots)
 
@@ -597,7 +597,7 @@ def make_topk_bitmap_kernel(threads, gmax, cap, kb, r, batch=LOAD_BATCH):
                 collected = True
                 cuda.syncthreads()
 
-        if single:
+        if single:                           # the big bin's marks are the selection and its ties
             pass
         elif collected:
             ncand = uint32(ccount[0])
@@ -740,14 +740,9 @@ def make_topk_register_kernel(threads, per_thread, kb, r, rank_max=None):
         tid = uint32(cuda.threadIdx.x)
         lane = tid & U31
         i = uint32(cuda.blockIdx.x)
-        req, p, nbi = row_state(i, req_ids, positions, seq_lens, r)
-        nb = uint32(min(nbi, int32(score_bits.shape[1])))
+        nb = _visible(i, req_ids, positions, seq_lens, r, score_bits.shape[1])
         if nb <= uint32(KB):
-            for j in range(tid, uint32(KB), uint32(NT)):
-                g = int32(-1)
-                if j < nb:
-                    g = int32(j)
-                groups[i, j] = g
+            _take_all(groups, i, nb, tid, NT, KB)
             return
 
         # numba widens uint32 arithmetic to 64 bits: the casts keep the per-key work 32-bit
