@@ -18,7 +18,7 @@ of the oracle's selection on 8 consecutive rows is reported with the select / pr
 Floors: ``max(FLOP / 777e12, bytes / 4.24e12)``, the H200's measured fp16 tensor matmul and
 device-to-device copy rates (NUMBA_NOTES.md), with the minimal counts of the oracle docstrings.
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 

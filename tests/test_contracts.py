@@ -17,7 +17,6 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import selection as sel
-from numqsa.kernels import attention as k_attention
 from numqsa.kernels import index_scores as k_scores
 from numqsa.kernels import topk as k_topk
 from numqsa.plan import arch_profile
