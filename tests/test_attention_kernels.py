@@ -14,7 +14,8 @@ import numqsa
 import oracle
 from numqsa.jit import SIMULATOR
 from numqsa.kernels import page4 as k_page4
-from numqsa.testing import INT_POISON, assert_matches_oracle, poison
+from numqsa.testing import (INT_POISON, assert_matches_oracle, poison,
+                            sparse_attention_accumulating_in)
 from oracle.problems import make_problem
 
 R = 4
@@ -93,13 +94,20 @@ def run_attention(p, tokens, counts, route, out_dtype=None, layout=None, device=
     return o, l
 
 
-def check(p, tokens, counts, out, lse, out_dtype=None):
+def out_precision(q_dtype, out_dtype, route):
+    """The narrowest type on ``out``'s path: its own dtype, and on the tensor-core routes the
+    probabilities P, rounded to the query dtype before ``P @ V``; the FMA route computes in float32."""
+    od = np.dtype(out_dtype or q_dtype).name
+    if od != "float32":
+        return od
+    return "float32" if route == "generic" else np.dtype(q_dtype).name
+
+
+def check(p, tokens, counts, out, lse, out_dtype=None, route="page4"):
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
                                      counts, p["req_ids"], p["seq_lens"])
-    dt = "float16" if "float16" in (p["q"].dtype.name, np.dtype(out_dtype or p["q"].dtype).name) \
-        else "float32"
-    assert_matches_oracle(out, eo, dtype=dt, what="out")
-    assert_matches_oracle(lse, el, dtype=dt, what="lse")
+    assert_matches_oracle(out, eo, dtype=out_precision(p["q"].dtype, out_dtype, route), what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
     inert = counts == 0
     assert np.all(out[inert] == 0) and np.all(lse[inert] == -np.inf)
 
@@ -136,7 +144,7 @@ def test_generic_heads_dtypes(rng, hq, hkv):
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=4)
     out, lse = run_attention(p, tokens, counts, "generic", out_dtype=np.float32)
     assert out.dtype == np.float32
-    check(p, tokens, counts, out, lse, out_dtype=np.float32)
+    check(p, tokens, counts, out, lse, out_dtype=np.float32, route="generic")
 
 
 def test_generic_inert_stale_and_bad_ids(rng):
@@ -265,12 +273,39 @@ def test_page4_route_takes_any_selection(rng, arch):
 
 
 def test_routes_agree(rng):
+    """The two routes agree; both routes' lse meet the float32 tolerance, which the same sums
+    accumulated in float16 fail."""
     p = small_problem(rng, [70], [6], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=8, mode="overlap")
     g, gl = run_attention(p, tokens, counts, "generic")
     q4, ql = run_attention(p, tokens, counts, "page4")
     assert_matches_oracle(q4, g.astype(np.float64), dtype="float16", what="page4 vs generic")
-    assert_matches_oracle(ql, gl.astype(np.float64), dtype="float16", what="lse page4 vs generic")
+    assert_matches_oracle(ql, gl.astype(np.float64), dtype="float32", what="lse page4 vs generic")
+    check(p, tokens, counts, q4, ql)
+    _, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                    counts, p["req_ids"], p["seq_lens"])
+    _, fl = sparse_attention_accumulating_in(np.float16, p["q"], p["k_cache"], p["v_cache"],
+                                             p["block_table"], tokens, counts, p["req_ids"],
+                                             p["seq_lens"])
+    with pytest.raises(AssertionError):
+        assert_matches_oracle(fl, el, dtype="float32", what="lse accumulated in float16")
+
+
+def test_generic_float32_output_tells_float16_accumulation(rng):
+    """float16 inputs, float32 output on the FMA route: checked at float32, where the same
+    attention accumulated in float16 (q.K, softmax sum, P @ V) fails out and lse."""
+    p = small_problem(rng, [53, 30], [3, 2], D=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=5)
+    out, lse = run_attention(p, tokens, counts, "generic", out_dtype=np.float32)
+    check(p, tokens, counts, out, lse, out_dtype=np.float32, route="generic")
+    eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"])
+    fo, fl = sparse_attention_accumulating_in(np.float16, p["q"], p["k_cache"], p["v_cache"],
+                                              p["block_table"], tokens, counts, p["req_ids"],
+                                              p["seq_lens"])
+    for got, want, what in ((fo, eo, "out"), (fl, el, "lse")):
+        with pytest.raises(AssertionError):
+            assert_matches_oracle(got, want, dtype="float32", what=f"{what} accumulated in float16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +452,7 @@ def test_gpu_real_shapes(rows, arch_name, monkeypatch, seed):
     for route, (o, l) in results.items():
         assert np.isfinite(o).all() and np.isfinite(l).all()
         assert_matches_oracle(o[sample], eo, dtype="float16", what=f"{route} out")
-        assert_matches_oracle(l[sample], el, dtype="float16", what=f"{route} lse")
+        assert_matches_oracle(l[sample], el, dtype="float32", what=f"{route} lse")
     assert_matches_oracle(results["page4"][0], results["generic"][0].astype(np.float64),
                           dtype="float16", what="page4 vs generic")
     # relocation and batch composition, grouped route: shift rows by one (other groups) and move pages

@@ -14,7 +14,7 @@ from numba import cuda, float32, uint32
 from numqsa.jit import SIMULATOR, jit
 from numqsa.kernels import mma
 from numqsa.kernels.mma import SCRATCH_WORDS   # a plain global: shared.array needs a constant
-from numqsa.testing import assert_matches_oracle
+from numqsa.testing import assert_matches_oracle, float32_sum_tolerance, matmul_accumulating_in
 
 
 def _round_bf16(x):
@@ -435,21 +435,32 @@ def _gemm_case(rng, kind, m, k, n):
     ("m8n8k4", 3, 5, 7, 1),
 ])
 def test_demo_gemm(rng, kind, m, k, n, warps):
+    _check_gemm(rng, kind, m, k, n, warps)
+
+
+def _check_gemm(rng, kind, m, k, n, warps):
+    """Inputs are exact in the mma's input type, so only float32 accumulation error remains: one
+    accumulator update per mma k-step, which the tensor cores may truncate. The same products
+    accumulated in float16 must fail that tolerance (the exact integer-tile tests above are the
+    sharp check of the layouts)."""
     a, b, want = _gemm_case(rng, kind, m, k, n)
     got = mma.demo_gemm(a, b, kind, warps=warps)
-    # Inputs are exact in the mma's input type, so only accumulation error remains; the float16
-    # tolerance (the brief's rel L2 1e-3) leaves room for the tensor cores' truncating adds, and
-    # the exact integer-tile tests above are the sharp check of the layouts.
-    assert_matches_oracle(got, want, dtype="float16", what=f"demo gemm {kind}")
+    tol = float32_sum_tolerance(-(-k // (4 if kind == "m8n8k4" else 16)))
+    assert_matches_oracle(got, want, dtype=tol, what=f"demo gemm {kind} {m}x{k}x{n}")
+    a64, b64 = (x.astype(np.float64) for x in (a, b))
+    if kind == "m16n8k16_bf16":
+        a64, b64 = _round_bf16(a).astype(np.float64), _round_bf16(b).astype(np.float64)
+    rows = slice(0, 16)                   # the emulation materialises [rows, K, N] products
+    with pytest.raises(AssertionError):
+        assert_matches_oracle(matmul_accumulating_in(a64[rows], b64, np.float16), want[rows],
+                              dtype=tol, what="float16 accumulation")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", mma.DEMO_KINDS)
 @pytest.mark.parametrize("m,k,n", [(1031, 517, 263), (256, 4096, 128)])
 def test_demo_gemm_gpu(rng, kind, m, k, n):
-    a, b, want = _gemm_case(rng, kind, m, k, n)
-    got = mma.demo_gemm(a, b, kind, warps=4)
-    assert_matches_oracle(got, want, dtype="float16", what=f"demo gemm {kind} {m}x{k}x{n}")
+    _check_gemm(rng, kind, m, k, n, 4)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ import pytest
 import oracle
 from oracle.problems import make_problem
 from numqsa import selection as sel
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import (assert_matches_oracle, assert_selection_matches,
+                            index_scores_accumulating_in, poison)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -92,6 +93,11 @@ def test_index_keys_rope_positions_and_strided_cache(rng):
     kc = sel.index_keys(k_raw, w, reqs, eids, view_k, table, rot=ROT, rope_positions=rp)
     want = oracle.index_keys(k_raw, w, reqs, eids, view_o, table, rot=ROT, rope_positions=rp)
     assert_matches_oracle(kc, want, dtype="float32", what="kc")
+    # the float32 tolerance tells a float16 step on the way (the pooled mean in float16) apart
+    halfway = oracle.index_keys(k_raw, w, reqs, eids, view_o.copy(), table, rot=ROT,
+                                rope_positions=rp, emulate_dtype=np.float16)
+    with pytest.raises(AssertionError):
+        assert_matches_oracle(halfway, want, dtype="float32", what="kc with a float16 mean")
     # The kernel stores its own float32 keys rounded once to float16; the oracle's float64 keys can
     # round to the neighbouring float16 where the two sit on either side of a rounding boundary.
     slots = (table[0, eids // view_k.shape[1]], eids % view_k.shape[1])
@@ -135,7 +141,19 @@ def test_index_scores_light(rng, dtype, page_size, shared):
     G = 57 // 4
     out = poison(np.empty((P["qi"].shape[0], G), np.float32))
     got = sel.index_scores(*_batch(P), out=out)
-    assert_matches_oracle(got, _scores_expect(P), dtype=dtype, what="scores")
+    assert_matches_oracle(got, _scores_expect(P), dtype="float32", what="scores")
+
+
+def test_index_scores_tell_float16_accumulation(rng):
+    """Scores are float32 sums of exact inputs, checked at float32: the same dot products and head
+    sums accumulated in float16 fail that tolerance."""
+    P = make_problem([57, 22], [3, 2], page_size=16, dtype=np.float16, Hi=2, Di=32, D=8,
+                     seed=int(rng.integers(1 << 31)))
+    want = _scores_expect(P)
+    assert_matches_oracle(sel.index_scores(*_batch(P)), want, dtype="float32", what="scores")
+    with pytest.raises(AssertionError):
+        assert_matches_oracle(index_scores_accumulating_in(np.float16, *_batch(P)), want,
+                              dtype="float32", what="scores accumulated in float16")
 
 
 @pytest.mark.parametrize("num_groups", [0, 3])
@@ -157,7 +175,7 @@ def test_index_scores_rows(rng, rows):
         P["qi"] = P["qi"][:0]
     got = sel.index_scores(*_batch(P))
     assert got.shape == (rows, 10)
-    assert_matches_oracle(got, _scores_expect(P), dtype="float16", what="scores")
+    assert_matches_oracle(got, _scores_expect(P), dtype="float32", what="scores")
 
 
 @pytest.mark.parametrize("arch,hi,strided", [("sm_90", 4, False), ("sm_70", 4, False),
@@ -185,7 +203,7 @@ def test_index_scores_tiled(rng, monkeypatch, arch, hi, strided):
     sc = poison(cuda.device_array((P["qi"].shape[0], G), np.float32))
     prof = arch_profile((9, 0))
     K.launch_tiled(*d, sc, prof, 0)
-    assert_matches_oracle(sc.copy_to_host(), _scores_expect(P), dtype="float16",
+    assert_matches_oracle(sc.copy_to_host(), _scores_expect(P), dtype="float32",
                           what=f"tiled {prof.scores.mma} scores")
 
 
@@ -222,7 +240,7 @@ def test_index_scores_direct(rng, monkeypatch, dtype, strided):
         sc = poison(cuda.device_array((P["qi"].shape[0], G), np.float32))
         K.launch_keysm(*d, sc, prof, 0, direct=direct)
         got[direct] = sc.copy_to_host()
-    assert_matches_oracle(got[True], _scores_expect(P), dtype="float16", what="direct scores")
+    assert_matches_oracle(got[True], _scores_expect(P), dtype="float32", what="direct scores")
     np.testing.assert_array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
 
 
@@ -412,7 +430,7 @@ def test_gpu_select_real_shapes(rows, ctx, seed):
     assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(), counts.copy_to_host(),
                              ref, P["req_ids"], P["positions"], P["seq_lens"], Kb=512)
     scores = sel.index_scores(*d)             # device seq_lens: the table's capacity wide
-    assert_matches_oracle(scores.copy_to_host()[:, :ref.shape[1]], ref, dtype="float16",
+    assert_matches_oracle(scores.copy_to_host()[:, :ref.shape[1]], ref, dtype="float32",
                           what="scores")
     first = [x.copy_to_host() for x in (tokens, counts, groups)]
     for _ in range(20):
@@ -432,7 +450,7 @@ def test_gpu_scores_routes_agree(route, seed, monkeypatch):
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
     want = _scores_expect(P)
     got = sel.index_scores(*d).copy_to_host()[:, :want.shape[1]]   # capacity wide (device seq_lens)
-    assert_matches_oracle(got, want, dtype="float16", what=f"{route} scores")
+    assert_matches_oracle(got, want, dtype="float32", what=f"{route} scores")
 
 
 @pytest.mark.gpu
