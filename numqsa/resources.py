@@ -10,15 +10,23 @@ that does not fit a V100 block (48 KB static) for sm_70 cases.
 A ``RESOURCE_CASES`` entry is ``(name, kernel, signature, threads_per_block, dynamic_smem_bytes, cc)``
 with ``kernel`` a ``cuda.jit`` dispatcher (or its Python function) and ``cc`` ``(7, 0)``, ``(9, 0)``
 or ``None`` for both.
+
+Compile once: each case's ptxas line is kept in a cache keyed by every source file of the numqsa
+package (a kernel's code reaches into shared device functions, so any edit invalidates all), the
+versions of numba, numba-cuda and the CUDA compiler wheels, the case and the architecture. The
+cache lives in ``$NUMQSA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/numqsa`` (``~/.cache/numqsa``),
+under ``resources/``; ``NUMQSA_CACHE_DIR=off`` disables it, and deleting the directory clears it.
 """
 import argparse
 import contextlib
+import hashlib
 import importlib
 import json
 import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4", "grouped")
 
@@ -113,6 +121,81 @@ def _parse(log):
                 spill_ld=num(r"(\d+) bytes spill loads"))
 
 
+# The distributions whose versions change what a kernel compiles to.
+TOOLCHAIN = ("numba", "numba-cuda", "llvmlite", "cuda-core", "cuda-bindings", "nvidia-cuda-nvcc-cu12",
+             "nvidia-nvjitlink-cu12", "nvidia-cuda-nvrtc-cu12")
+
+
+def cache_dir():
+    """The resource cache's directory, or ``None`` when ``NUMQSA_CACHE_DIR=off``."""
+    root = os.environ.get("NUMQSA_CACHE_DIR")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "numqsa")
+    elif root.lower() in ("off", "0", ""):
+        return None
+    return Path(root) / "resources"
+
+
+def source_key():
+    """A hash of every numqsa source file and the compiler toolchain's versions."""
+    from importlib import metadata
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parent
+    for path in sorted(pkg.rglob("*.py")):
+        h.update(str(path.relative_to(pkg)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for dist in TOOLCHAIN:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "-"
+        h.update(f"{dist}={version}\0".encode())
+    return h.hexdigest()
+
+
+def _read_cached(where):
+    if where is not None and where.is_file():
+        try:
+            return json.loads(where.read_text())
+        except (OSError, ValueError):
+            pass                                    # a torn or foreign file: compile again
+    return None
+
+
+def _write_cached(where, r):
+    if where is None:
+        return
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = where.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(r))
+        os.replace(tmp, where)
+    except OSError:
+        pass                                        # a read-only cache only costs the recompile
+
+
+_JOBS = []      # (kernel, signature, cc) of the compiles a forked worker runs, by index
+
+
+def _compile(i):
+    kernel, sig, target = _JOBS[i]
+    return _parse(_link_log(kernel, sig, target))
+
+
+def _compile_all(jobs):
+    """ptxas lines of ``jobs``, compiled in forked workers (one per CPU) when there are several."""
+    workers = min(len(jobs), os.cpu_count() or 1)
+    _JOBS[:] = jobs
+    try:
+        if workers > 1:
+            import multiprocessing
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                return pool.map(_compile, range(len(jobs)), chunksize=1)
+        return [_compile(i) for i in range(len(jobs))]
+    finally:
+        _JOBS.clear()
+
+
 def collect_cases(modules=KERNEL_MODULES):
     cases = []
     for mod in modules:
@@ -128,17 +211,34 @@ def collect_cases(modules=KERNEL_MODULES):
 
 
 def report(modules=KERNEL_MODULES, ccs=((7, 0), (9, 0))):
-    rows = []
+    root = cache_dir()
+    key = source_key() if root is not None else None
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("NUMQSA_") and k not in ("NUMQSA_CACHE_DIR", "NUMQSA_SEED"))
+    cases = []
     for mod, name, kernel, sig, threads, dyn_smem, cc in collect_cases(modules):
         for target in ccs:
             if cc is not None and tuple(cc) != target:
                 continue
-            r = _parse(_link_log(kernel, sig, target))
-            lim = LIMITS[target]
-            blocks, occ = occupancy(lim, r["regs"], threads, r["smem"] + dyn_smem)
-            rows.append(dict(module=mod, kernel=name, arch=f"sm_{target[0]}{target[1]}",
-                             gpu=lim.name, threads=threads, dyn_smem=dyn_smem, **r,
-                             blocks_per_sm=blocks, occupancy=occ))
+            where = None
+            if root is not None:
+                case = hashlib.sha256(f"{key}|{env}|{mod}|{name}|{sig}|{threads}|{dyn_smem}|"
+                                      f"{target}".encode()).hexdigest()
+                where = root / f"{case[:32]}.json"
+            cases.append((mod, name, kernel, sig, threads, dyn_smem, target, where))
+    found = [_read_cached(c[-1]) for c in cases]
+    missing = [i for i, r in enumerate(found) if r is None]
+    for i, r in zip(missing, _compile_all([(cases[i][2], cases[i][3], cases[i][6])
+                                           for i in missing])):
+        found[i] = r
+        _write_cached(cases[i][-1], r)
+    rows = []
+    for (mod, name, _, _, threads, dyn_smem, target, _), r in zip(cases, found):
+        lim = LIMITS[target]
+        blocks, occ = occupancy(lim, r["regs"], threads, r["smem"] + dyn_smem)
+        rows.append(dict(module=mod, kernel=name, arch=f"sm_{target[0]}{target[1]}",
+                         gpu=lim.name, threads=threads, dyn_smem=dyn_smem, **r,
+                         blocks_per_sm=blocks, occupancy=occ))
     return rows
 
 

@@ -1,4 +1,7 @@
-"""Every kernel compiles for sm_70 and sm_90 offline, with no spills and V100-legal shared memory."""
+"""Every kernel compiles for sm_70 and sm_90 offline, with no spills and V100-legal shared memory.
+
+The report is compiled once per source tree: later runs read it from the cache (numqsa.resources).
+"""
 import importlib
 import json
 import os
@@ -23,3 +26,24 @@ def test_resource_report(tmp_path):
     for r in rows:
         assert r["regs"] > 0 and r["spill_st"] == 0 and r["spill_ld"] == 0, r
         assert r["blocks_per_sm"] >= 1, r
+
+
+def test_problems_are_flagged():
+    """The check the report's --check applies fails on a spill, on V100-illegal shared memory and on
+    a kernel no block of which fits an SM."""
+    from numqsa.resources import problems
+    ok = dict(kernel="k", arch="sm_70", spill_st=0, spill_ld=0, smem=1024, blocks_per_sm=2)
+    assert problems([ok]) == []
+    assert problems([dict(ok, spill_ld=8)]) and problems([dict(ok, smem=49 * 1024)])
+    assert problems([dict(ok, blocks_per_sm=0)])
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    from numqsa import resources
+    monkeypatch.setenv("NUMQSA_CACHE_DIR", str(tmp_path))
+    assert resources.cache_dir() == tmp_path / "resources"
+    monkeypatch.setenv("NUMQSA_CACHE_DIR", "off")
+    assert resources.cache_dir() is None
+    monkeypatch.delenv("NUMQSA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert resources.cache_dir() == tmp_path / "numqsa" / "resources"
