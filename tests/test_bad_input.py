@@ -7,6 +7,7 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import launch as L
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
 from oracle.problems import make_problem
 
 QSAInputError = numqsa.QSAInputError
@@ -57,17 +58,40 @@ def test_int64_beyond_int32_refused(prob, launches, name, row, value):
 
 
 def test_int64_beyond_int32_on_device_saturates(prob):
-    """On the device there is no host read: saturation keeps the spec's meaning (inert row)."""
-    req = prob["req_ids"].astype(np.int64)
-    req[2] = 2**32                                  # out of range: inert (the oracle agrees)
+    """On the device there is no host read: saturation keeps the spec's meaning -- req_ids 2^32 and
+    positions -2^32 + 7 are inert rows, positions 2^32 + 5 a stale row (clamped), as the oracle
+    says of the int64 values themselves."""
+    req, pos = prob["req_ids"].astype(np.int64), prob["positions"].astype(np.int64)
+    req[2] = 2**32
+    pos[0], pos[1] = 2**32 + 5, -2**32 + 7
     d = {k: cuda.to_device(np.ascontiguousarray(prob[k])) for k in ARGS}
-    d["req_ids"] = cuda.to_device(req)
-    out, lse, tokens, counts = [x.copy_to_host() for x in numqsa.qsa_prefill(*[d[k] for k in ARGS],
-                                                                            Kb=8)]
-    ref = oracle.qsa_prefill(*[prob[k] for k in ARGS[:7]], req, prob["positions"], prob["seq_lens"],
-                             Kb=8)
-    assert counts[2] == 0 and ref[3][2] == 0
-    assert not out[2].any() and np.isneginf(lse[2]).all()
+    d["req_ids"], d["positions"] = cuda.to_device(req), cuda.to_device(pos)
+    bufs = (poison(cuda.device_array((3, 4, 16), np.float16)),
+            poison(cuda.device_array((3, 4), np.float32)))
+    out, lse, tokens, counts = [x.copy_to_host() for x in numqsa.qsa_prefill(
+        *[d[k] for k in ARGS], Kb=8, out=bufs)]
+    ref = oracle.qsa_prefill(*[prob[k] for k in ARGS[:7]], req, pos, prob["seq_lens"], Kb=8)
+    np.testing.assert_array_equal(counts, ref[3])
+    assert counts[1] == 0 and counts[2] == 0 and counts[0] > 0
+    ref_out, ref_lse = oracle.sparse_attention(prob["q"], prob["k_cache"], prob["v_cache"],
+                                               prob["block_table"], tokens, counts, req,
+                                               prob["seq_lens"])
+    assert_matches_oracle(out, ref_out, dtype="float16", what="out")
+    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
+
+
+def test_int64_device_metadata_of_the_wrapper_saturates(prob):
+    """The wrapper's plan converts device int64 metadata on the device too (no read back)."""
+    req, pos = prob["req_ids"].astype(np.int64), prob["positions"].astype(np.int64)
+    pos[0], req[2] = 2**31, -2**31 - 1                  # stale (clamped); inert
+    meta = [cuda.to_device(np.ascontiguousarray(a)) for a in
+            (req, pos, prob["seq_lens"], prob["block_table"], prob["index_block_table"])]
+    w = numqsa.QSAPrefillWrapper(Hi=2, Di=16, Hq=4, Hkv=2, D=16, Kb=8).plan(*meta)
+    tokens, counts, _ = w.run_select(cuda.to_device(prob["qi"]), cuda.to_device(prob["index_cache"]))
+    ref = oracle.select(prob["qi"], prob["index_cache"], prob["index_block_table"], req, pos,
+                        prob["seq_lens"], Kb=8)
+    np.testing.assert_array_equal(counts.copy_to_host(), ref[1])
+    assert ref[1][2] == 0 and ref[1][0] > 0
 
 
 # -- point 4: every check before any launch ---------------------------------------------------
@@ -95,7 +119,7 @@ def test_attention_side_checks_before_any_launch(prob, launches, case, match):
 # -- point 7: NumPy out= buffers are written --------------------------------------------------
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_numpy_out_buffers_written(prob, contiguous):
-    want = prefill(prob)
+    """NaN-poisoned buffers, every element written: the result in them matches the oracle."""
     if contiguous:
         out, lse = np.full((3, 4, 16), np.nan, np.float16), np.full((3, 4), np.nan, np.float32)
     else:
@@ -103,8 +127,11 @@ def test_numpy_out_buffers_written(prob, contiguous):
         lse = np.full((3, 4, 2), np.nan, np.float32)[:, :, 0]
     got = prefill(prob, out=(out, lse))
     assert got[0] is out and got[1] is lse
-    np.testing.assert_array_equal(out, want[0])
-    np.testing.assert_array_equal(lse, want[1])
+    ref_out, ref_lse = oracle.sparse_attention(prob["q"], prob["k_cache"], prob["v_cache"],
+                                               prob["block_table"], got[2], got[3],
+                                               prob["req_ids"], prob["seq_lens"])
+    assert_matches_oracle(out, ref_out, dtype="float16", what="out")
+    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
 
 
 # -- point 8: num_groups below the longest request --------------------------------------------
@@ -158,3 +185,87 @@ def test_cuda_void16_refused(prob, launches):
     with pytest.raises(QSAInputError, match="q has dtype void16.*torch tensor itself"):
         numqsa.qsa_prefill(*[d[k] for k in ARGS], Kb=8)
     assert launches == []
+
+
+# -- issue 26 point 7: the rest of the README's table --------------------------------------------
+@pytest.mark.parametrize("name, dtype", [("q", np.float64), ("k_cache", np.int8), ("qi", np.float64),
+                                         ("index_cache", np.int8)])
+def test_data_dtype_refused(prob, launches, name, dtype):
+    kw = {name: prob[name].astype(dtype)}
+    if name == "k_cache":
+        kw["v_cache"] = prob["v_cache"].astype(dtype)
+    refused(prob, launches, rf"{name} has dtype {np.dtype(dtype).name}; the kernels take float16, "
+            rf"bfloat16, float32", **kw)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("k_cache", r"k_cache must have rank 4 \[num_pages, page_size, Hkv, D\], got shape \(16, 2, 16\)"),
+    ("qi", r"qi must have rank 3 \[rows, Hi, Di\], got shape \(2, 16\)"),
+    ("index_cache", r"index_cache must have rank 3 \[num_idx_pages, idx_page_rows, Di\]"),
+    ("block_table", r"block_table must have rank 2 \[num_reqs, cols\], got shape \(19,\)"),
+    ("index_block_table", r"index_block_table must have rank 2 \[num_reqs, cols\], got shape \(1, 2, 19\)"),
+])
+def test_wrong_rank_refused(prob, launches, name, match):
+    bad = prob[name][None] if name == "index_block_table" else prob[name][0]
+    kw = {name: bad}
+    if name == "k_cache":
+        kw["v_cache"] = prob["v_cache"][0]
+    refused(prob, launches, match, **kw)
+
+
+class _CPUTensor:
+    """What numqsa sees of a CPU torch tensor (when torch is not installed): a torch type whose
+    ``is_cuda`` is False."""
+    is_cuda = False
+
+    def __init__(self, a):
+        self.shape, self.dtype = a.shape, a.dtype
+
+
+_CPUTensor.__module__ = "torch"
+
+
+def test_cpu_torch_tensor_refused(prob, launches):
+    try:
+        import torch
+        q = torch.from_numpy(prob["q"])
+    except ImportError:
+        q = _CPUTensor(prob["q"])
+    refused(prob, launches, r"q is a CPU torch tensor: pass q.cuda\(\) .* or q.numpy\(\)", q=q)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(Kb=2**20 + 1), r"Kb = 1048577 is out of range: it must be in 1..1048576"),
+    (dict(Kb=2**20, r=3), "page_size 16 is not a multiple of r = 3"),       # Kb at its bound passes
+    (dict(r=1024), "page_size 16 is not a multiple of r = 1024"),           # r at its bound passes
+    (dict(r=1025), r"r = 1025 is out of range: it must be in 1..1024"),
+])
+def test_kb_and_r_bounds(prob, launches, kw, match):
+    refused(prob, launches, match, **kw)
+
+
+@pytest.mark.parametrize("which, match", [(0, r"out\[0\] \(out\) must be float16 \(3, 4, 16\), got float32"),
+                                          (1, r"out\[1\] \(lse\) must be float32 \(3, 4\), got float16")])
+def test_out_of_the_wrong_dtype(prob, launches, which, match):
+    out = [np.zeros((3, 4, 16), np.float16), np.zeros((3, 4), np.float32)]
+    out[which] = out[which].astype(np.float32 if which == 0 else np.float16)
+    refused(prob, launches, match, out=tuple(out))
+
+
+def test_bad_id_in_a_device_index_table_is_never_read(seed):
+    """A device index table is not read back by default: a needed page id out of range is never
+    dereferenced (the simulator raises on an out-of-bounds read) and the rows of other requests keep
+    their selection. (What that row selects is open: issue 22.)"""
+    p = make_problem([300, 40], positions=[299, 150, 39], req_ids=[0, 0, 1], page_size=16, Hq=4,
+                     Hkv=2, D=16, Hi=2, Di=16, dtype=np.float16, shared_index_table=False, seed=seed)
+    bad = p["index_block_table"].copy()
+    bad[1, 0] = 10_000
+    d = [cuda.to_device(np.ascontiguousarray(a)) for a in
+         (p["qi"], p["index_cache"], bad, p["req_ids"], p["positions"], p["seq_lens"])]
+    tokens, counts, groups = (x.copy_to_host() for x in numqsa.select(*d, Kb=8))
+    rows = [0, 1]                                     # request 0: its table is valid
+    batch = (p["req_ids"][rows], p["positions"][rows], p["seq_lens"])
+    scores = oracle.index_scores(p["qi"][rows], p["index_cache"], p["index_block_table"], *batch)
+    assert_selection_matches(groups[rows], tokens[rows], counts[rows], scores, *batch, Kb=8)
+    with pytest.raises(QSAInputError, match=r"index_block_table\[1, 0\] = 10000"):
+        numqsa.select(*d, Kb=8, validate=True)

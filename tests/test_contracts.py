@@ -323,3 +323,122 @@ def test_nonfinite_page4_route(rng, what):
         p["k_cache" if what == "k" else "v_cache"][pg, sl, 0, 2] = np.inf
         p["q"][:, :, 2] = 1.0
     _attend_both(p, tokens, counts, route="page4")
+
+
+# ------------------------------------------------------------------------------------------------
+# contract statements (issue 26 point 7): scale, r, page size 1024, mixed dtypes, out_dtype,
+# negative seq_lens -- each against the oracle, outputs NaN-poisoned
+# ------------------------------------------------------------------------------------------------
+
+PREFILL = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
+           "req_ids", "positions", "seq_lens")
+
+
+def _prefill_vs_oracle(p, Kb, r=4, **kw):
+    """qsa_prefill into NaN-poisoned buffers; selection (spec §8) and attention on the kernel's
+    own selection against the oracle."""
+    rows, hq, d = p["q"].shape
+    od = np.dtype(kw.get("out_dtype") or p["q"].dtype)
+    bufs = (poison(np.empty((rows, hq, d), od)), poison(np.empty((rows, hq), np.float32)))
+    out, lse, tokens, counts = numqsa.qsa_prefill(*[p[k] for k in PREFILL], Kb=Kb, r=r, out=bufs,
+                                                  **kw)
+    batch = (p["req_ids"], p["positions"], p["seq_lens"])
+    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch, r=r)
+    from numqsa.testing import groups_of_tokens
+    assert_selection_matches(groups_of_tokens(tokens, counts, Kb, r=r), tokens, counts, scores,
+                             *batch, Kb=Kb, r=r)
+    eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"], scale=kw.get("scale"),
+                                     r=r)
+    return out, lse, eo, el, counts
+
+
+@pytest.mark.parametrize("route", ["generic", "page4"])
+def test_non_default_scale(rng, route):
+    p, tokens, counts = _attention_problem(rng, hkv=1, d=32, dtype=np.float16)
+    out = poison(np.empty(p["q"].shape, np.float16))
+    lse = poison(np.empty(p["q"].shape[:2], np.float32))
+    numqsa.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens, counts,
+                            p["req_ids"], p["seq_lens"], scale=0.37, out=(out, lse),
+                            route_name=route)
+    eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"], scale=0.37)
+    assert_matches_oracle(out, eo, dtype="float16", what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
+    default, _ = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
+                                         tokens, counts, p["req_ids"], p["seq_lens"])
+    with pytest.raises(AssertionError):              # the scale is honoured, not 1/sqrt(D)
+        assert_matches_oracle(out, default, dtype="float16")
+
+
+@pytest.mark.parametrize("r", [2, 8])
+def test_compress_ratio_other_than_4(rng, r):
+    """Groups of 2 and 8 tokens through the whole prefill: scores, top-k, expansion (tails of up
+    to r - 1 tokens) and attention, which takes the generic route (the page-4 plan is for r = 4)."""
+    p = make_problem([77, 30], positions=[76, 61, 29, 5], req_ids=[0, 0, 1, 1], page_size=16, Hq=4,
+                     Hkv=2, D=16, Hi=2, Di=16, r=r, dtype=np.float16,
+                     seed=int(rng.integers(1 << 31)))
+    out, lse, eo, el, counts = _prefill_vs_oracle(p, Kb=3, r=r)
+    assert {int(c) % r for c in counts} != {0}, "some row must have a partial tail"
+    assert_matches_oracle(out, eo, dtype="float16", what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
+
+
+def test_page_size_1024(rng):
+    """A 1024-token page (one request spans two): the planned routes."""
+    p = make_problem([1203, 70], positions=[1202, 1100, 69], req_ids=[0, 0, 1], page_size=1024,
+                     Hq=2, Hkv=1, D=16, Hi=2, Di=16, dtype=np.float16,
+                     seed=int(rng.integers(1 << 31)))
+    out, lse, eo, el, _ = _prefill_vs_oracle(p, Kb=6)
+    assert_matches_oracle(out, eo, dtype="float16", what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
+
+
+def test_mixed_dtypes(rng):
+    """bfloat16 queries on a float16 cache (the FMA route): out in the query's dtype."""
+    bf16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    p, tokens, counts = _attention_problem(rng, hkv=1, d=32, dtype=np.float16)
+    p["q"] = p["q"].astype(bf16)
+    out = poison(np.empty(p["q"].shape, bf16))
+    lse = poison(np.empty(p["q"].shape[:2], np.float32))
+    numqsa.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens, counts,
+                            p["req_ids"], p["seq_lens"], out=(out, lse))
+    eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"])
+    assert_matches_oracle(out, eo, dtype="bfloat16", what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
+
+
+@pytest.mark.parametrize("q_dtype, out_dtype, route", [("float16", "bfloat16", "generic"),
+                                                       ("bfloat16", "float16", "generic"),
+                                                       ("float16", "float32", "page4")])
+def test_out_dtype_conversions(rng, q_dtype, out_dtype, route):
+    """out_dtype other than the query's: rounded once to it (or kept in float32)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    as_dt = lambda n: np.dtype(ml_dtypes.bfloat16) if n == "bfloat16" else np.dtype(n)
+    p, tokens, counts = _attention_problem(rng, hkv=1, d=32, dtype=np.float16)
+    for k in ("q", "k_cache", "v_cache"):
+        p[k] = p[k].astype(as_dt(q_dtype))
+    out = poison(np.empty(p["q"].shape, as_dt(out_dtype)))
+    lse = poison(np.empty(p["q"].shape[:2], np.float32))
+    got, _ = numqsa.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"], out_dtype=out_dtype,
+                                     out=(out, lse), route_name=route)
+    assert got is out and out.dtype == as_dt(out_dtype)
+    eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
+                                     counts, p["req_ids"], p["seq_lens"])
+    from test_attention_kernels import out_precision
+    assert_matches_oracle(out, eo, dtype=out_precision(q_dtype, out_dtype, route), what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")
+
+
+def test_negative_seq_lens_are_inert(rng):
+    """A request with seq_lens < 0 is empty: its rows select nothing, out = 0, lse = -inf."""
+    p = make_problem([61, 20], positions=[60, 33, 10, 3], req_ids=[0, 0, 1, 1], page_size=16, Hq=2,
+                     Hkv=1, D=16, Hi=2, Di=16, dtype=np.float16, seed=int(rng.integers(1 << 31)))
+    p["seq_lens"] = np.array([61, -5], np.int32)
+    out, lse, eo, el, counts = _prefill_vs_oracle(p, Kb=4)
+    assert counts[0] > 0 and counts[1] > 0 and not counts[2:].any()
+    assert not out[2:].astype(np.float32).any() and np.isneginf(lse[2:]).all()
+    assert_matches_oracle(out, eo, dtype="float16", what="out")
+    assert_matches_oracle(lse, el, dtype="float32", what="lse")

@@ -274,11 +274,12 @@ def _topk_case(rng, kind, rows=6, G=70):
     return s, req, pos, lens
 
 
-@pytest.mark.parametrize("kind", ["random", "clustered", "plateau", "sparse", "zeros", "wide"])
+@pytest.mark.parametrize("kind", ["random", "clustered", "plateau", "sparse", "zeros", "signed_zero",
+                                  "wide"])
 @pytest.mark.parametrize("route", ["registers", "bitmap", "radix"])
 def test_topk_kernels(rng, kind, route):
     """Every top-k kernel on device arrays (bitmap: candidate path and global fallback; registers:
-    thresholds near the row's best and 16 octaves or more below it)."""
+    thresholds near the row's best and 16 octaves or more below it; -0.0 ties +0.0)."""
     from numba import cuda
     from numqsa.kernels import topk as KT
     from numqsa.plan import arch_profile
