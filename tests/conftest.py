@@ -1,7 +1,9 @@
 """Test set-up: the simulator unless a GPU is present, ``gpu`` marks, fresh seeds per case.
 
 ``NUMBA_ENABLE_CUDASIM`` must be decided before numba is first imported, so it is set here. On a GPU
-machine, ``pytest -m gpu`` runs the real-shape tier; without one those tests are skipped.
+machine, ``pytest -m gpu`` runs the real-shape tier (torch required); without one those tests are
+skipped. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` in pyproject.toml),
+``pytest -m slow`` the longer simulator cases.
 Seeds: each test gets a generator seeded from the session seed (``NUMQSA_SEED``, random by default,
 printed in the header) and the test's id, so a failure can be replayed exactly.
 """
@@ -32,6 +34,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """On a GPU, the selected ``gpu`` tests need torch (its interop is part of the tier): a machine
+    without it fails at once instead of skipping those tests."""
+    if SIMULATOR or not any("gpu" in item.keywords for item in session.items):
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError as err:
+        raise pytest.UsageError(f"the GPU tier needs torch (a CUDA 12 build; see README): {err}")
 
 
 @pytest.fixture

@@ -422,10 +422,8 @@ def gpu_problem(rows, context, seed, page_size=64, kb=512, overlap=0.82):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [4095, 4096, 8192])
-@pytest.mark.parametrize("arch_name", ["native", "sm_70"])
-def test_gpu_real_shapes(rows, arch_name, monkeypatch, seed):
-    if arch_name == "sm_70":
-        monkeypatch.setenv("NUMQSA_ARCH", "sm_70")
+def test_gpu_real_shapes(rows, seed):
+    """The tier's architecture (the sm_70 kernels in the tier run under NUMQSA_ARCH=sm_70)."""
     w = gpu_problem(rows, 32768, seed)
     p, tokens, counts = w["problem"], w["tokens"], w["counts"]
     assert int(counts.max()) == 2051

@@ -94,7 +94,7 @@ def test_gpu_prefill_matches_oracle(seed):
 def test_gpu_foreign_arrays_bitwise(seed, peer):
     """PyTorch / CuPy arrays, used in place on their own stream, give the numba arrays' bits."""
     from numba import cuda
-    lib = pytest.importorskip(peer)
+    lib = __import__("torch") if peer == "torch" else pytest.importorskip(peer)   # torch: required
     p = _gpu_problem(seed)
     want = [x.copy_to_host() for x in numqsa.qsa_prefill(*[cuda.to_device(np.ascontiguousarray(a))
                                                               for a in args(p)])]
@@ -136,7 +136,7 @@ def test_gpu_workspace_allocates_nothing(seed, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_graph_replay_bitwise(seed):
     """Captured once with torch.cuda.graph, replayed on new inputs: the eager result's bits."""
-    torch = pytest.importorskip("torch")
+    import torch
     p = _gpu_problem(seed)
     t = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in args(p)]
     ws = numqsa.Workspace()

@@ -27,7 +27,7 @@ def to_torch(torch, p, names):
 
 
 def test_gpu_torch_in_torch_out_on_current_stream(seed):
-    torch = pytest.importorskip("torch")
+    import torch
     from numba import cuda
     p = gpu_problem(seed)
     w = wrapper().plan(*[cuda.to_device(np.ascontiguousarray(p[k])) for k in META])
@@ -55,7 +55,7 @@ def test_gpu_cupy_in_cupy_out(seed):
 
 
 def test_gpu_prepared_launches_equal_dispatcher(seed, monkeypatch):
-    torch = pytest.importorskip("torch")
+    import torch
     p = gpu_problem(seed)
     w = wrapper().plan(*to_torch(torch, p, META))
     fast = [x.cpu().numpy() for x in w.run(*to_torch(torch, p, LAYER), return_selection=True)]
@@ -70,7 +70,7 @@ def test_gpu_prepared_launches_equal_dispatcher(seed, monkeypatch):
 
 
 def test_gpu_graph_replay_bitwise(seed):
-    torch = pytest.importorskip("torch")
+    import torch
     p, p2 = gpu_problem(seed), gpu_problem(seed + 1)
     meta, layer = to_torch(torch, p, META), to_torch(torch, p, LAYER)
     s = torch.cuda.Stream()
@@ -99,7 +99,7 @@ def test_gpu_functional_calls_do_not_wait_and_stay_native(seed):
     """Default arguments, torch in: select, sparse_attention, qsa_prefill and the stage functions
     return torch tensors, leave a busy GPU busy (no read-back, no synchronising free), and give
     NumPy's results bitwise."""
-    torch = pytest.importorskip("torch")
+    import torch
     p = gpu_problem(seed, rows=256)
     t = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in p.items()
          if isinstance(v, np.ndarray)}
