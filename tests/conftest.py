@@ -28,12 +28,30 @@ def pytest_report_header(config):
     return f"numqsa: {mode}; NUMQSA_SEED={SESSION_SEED}"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(config, items)
     if SIMULATOR:
         skip = pytest.mark.skip(reason="needs a real GPU (NUMBA_ENABLE_CUDASIM=1)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def _mark_slow(config, items):
+    """Mark the tests of :data:`tiers.SLOW` slow. When whole files are collected, an entry naming
+    no test of a collected file is an error, so the list cannot outlive a rename."""
+    from tiers import SLOW
+    ids = {item.nodeid.split("tests/", 1)[-1]: item for item in items}
+    for key, item in ids.items():
+        if key in SLOW:
+            item.add_marker(pytest.mark.slow)
+    if any("::" in str(a) for a in config.args):
+        return
+    files = {key.split("::")[0] for key in ids}
+    stale = [key for key in SLOW if key.split("::")[0] in files and key not in ids]
+    if stale:
+        raise pytest.UsageError("tests/tiers.py names tests that do not exist: " + ", ".join(stale))
 
 
 def pytest_collection_finish(session):
@@ -58,3 +76,14 @@ def rng(request):
 def seed(rng):
     """An integer seed for helpers that build their own generator."""
     return int(rng.integers(1 << 31))
+
+
+@pytest.fixture(params=[pytest.param("generic", id="generic"),
+                        pytest.param("planned", id="planned", marks=pytest.mark.slow)])
+def api_attention(request, monkeypatch):
+    """For API tests (wrapper, functional calls, bad input) whose subject is not the attention
+    route: the default tier runs them with attention on the generic kernel (``NUMQSA_PAGE4=0``;
+    one simulated grouped-kernel launch costs 8-10 s), the slow tier on the planned route."""
+    if request.param == "generic":
+        monkeypatch.setenv("NUMQSA_PAGE4", "0")
+    return request.param

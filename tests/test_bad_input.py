@@ -57,7 +57,7 @@ def test_int64_beyond_int32_refused(prob, launches, name, row, value):
     refused(prob, launches, "outside int32", **{name: a})
 
 
-def test_int64_beyond_int32_on_device_saturates(prob):
+def test_int64_beyond_int32_on_device_saturates(prob, api_attention):
     """On the device there is no host read: saturation keeps the spec's meaning -- req_ids 2^32 and
     positions -2^32 + 7 are inert rows, positions 2^32 + 5 a stale row (clamped), as the oracle
     says of the int64 values themselves."""
@@ -118,7 +118,7 @@ def test_attention_side_checks_before_any_launch(prob, launches, case, match):
 
 # -- point 7: NumPy out= buffers are written --------------------------------------------------
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_numpy_out_buffers_written(prob, contiguous):
+def test_numpy_out_buffers_written(prob, contiguous, api_attention):
     """NaN-poisoned buffers, every element written: the result in them matches the oracle."""
     if contiguous:
         out, lse = np.full((3, 4, 16), np.nan, np.float16), np.full((3, 4), np.nan, np.float32)

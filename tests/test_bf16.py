@@ -242,7 +242,7 @@ def test_qsa_prefill_bf16(seed, arch):
     _check_prefill(p, out, lse, tokens, counts, 5)
 
 
-def test_wrapper_bf16_device_arrays(seed, monkeypatch):
+def test_wrapper_bf16_device_arrays(seed, monkeypatch, api_attention):
     """numba device arrays of dtype ml_dtypes.bfloat16 in, the same out; NaN-poisoned out= buffers;
     run_select (on new arrays) / run_attention agree with run bit for bit."""
     monkeypatch.setenv("NUMQSA_ARCH", "sm_90")

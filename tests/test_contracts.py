@@ -384,8 +384,8 @@ def test_compress_ratio_other_than_4(rng, r):
     assert_matches_oracle(lse, el, dtype="float32", what="lse")
 
 
-def test_page_size_1024(rng):
-    """A 1024-token page (one request spans two): the planned routes."""
+def test_page_size_1024(rng, api_attention):
+    """A 1024-token page (one request spans two) through the whole prefill."""
     p = make_problem([1203, 70], positions=[1202, 1100, 69], req_ids=[0, 0, 1], page_size=1024,
                      Hq=2, Hkv=1, D=16, Hi=2, Di=16, dtype=np.float16,
                      seed=int(rng.integers(1 << 31)))
@@ -432,7 +432,7 @@ def test_out_dtype_conversions(rng, q_dtype, out_dtype, route):
     assert_matches_oracle(lse, el, dtype="float32", what="lse")
 
 
-def test_negative_seq_lens_are_inert(rng):
+def test_negative_seq_lens_are_inert(rng, api_attention):
     """A request with seq_lens < 0 is empty: its rows select nothing, out = 0, lse = -inf."""
     p = make_problem([61, 20], positions=[60, 33, 10, 3], req_ids=[0, 0, 1, 1], page_size=16, Hq=2,
                      Hkv=1, D=16, Hi=2, Di=16, dtype=np.float16, seed=int(rng.integers(1 << 31)))

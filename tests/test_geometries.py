@@ -183,13 +183,16 @@ def test_index_scores_tiled_geometry(rng, monkeypatch, arch, variant, dtype, hi,
 
 @pytest.mark.parametrize("route", k_topk.ROUTES)
 def test_topk_boundaries(rng, route):
-    """Rows seeing Kb - 1, Kb and Kb + 1 groups, a one-group row, inert and stale rows; exact."""
+    """Rows seeing Kb - 1, Kb and Kb + 1 groups, a one-group row, inert and stale rows, and two
+    full rows of signed zeros (-0.0 ties +0.0: lowest ids first) with a few positive scores; exact."""
     kb, G = 8, 40
     lens = np.array([4 * G + 3, 4 * (kb + 1), 4 * kb + 1, 4 * kb - 2, 5], np.int32)
-    req = np.array([0, 0, 1, 2, 3, 4, 9, 0, 1], np.int32)
-    pos = np.array([4 * G + 2, 4 * G - 1, 4 * (kb + 1) - 1, 4 * kb, 4 * kb - 3, 4, 0, -1, 1000],
-                   np.int32)
+    req = np.array([0, 0, 1, 2, 3, 4, 9, 0, 1, 0, 0], np.int32)
+    pos = np.array([4 * G + 2, 4 * G - 1, 4 * (kb + 1) - 1, 4 * kb, 4 * kb - 3, 4, 0, -1, 1000,
+                    4 * G + 2, 4 * G - 5], np.int32)
     s = np.maximum(rng.standard_normal((req.size, G)), 0).astype(np.float32)
+    s[-2:] = np.where(rng.random((2, G)) < 0.5, np.float32(-0.0), np.float32(0.0))
+    s[-2:, 3::11] = np.float32(2.0)
     out = poison(cuda.device_array((req.size, kb), np.int32))
     k_topk.launch_topk(*[to_device(x) for x in (s.view(np.uint32), req, pos, lens)], out,
                        arch_profile((9, 0)), 0, route=route)

@@ -101,10 +101,17 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
 
 
 def test_grouped_row_invariance(rng):
-    """A row's bits do not depend on the other rows of its window or batch."""
+    """A row's bits do not depend on the other rows of its window or batch, on a rerun, or on
+    where the allocator put the pages (spec §6)."""
+    from test_attention_kernels import relocate
     p = small_problem(rng, [200], [6], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=12, mode="overlap")
     out, lse = run_attention(p, tokens, counts, "page4")
+    check(p, tokens, counts, out, lse)
+    for again in (run_attention(p, tokens, counts, "page4"),
+                  run_attention(relocate(p, rng), tokens, counts, "page4")):
+        np.testing.assert_array_equal(again[0], out)
+        np.testing.assert_array_equal(again[1], lse)
     for sub in ([3], [2, 3], [5, 3, 0]):
         q = dict(p, q=p["q"][sub], req_ids=p["req_ids"][sub], positions=p["positions"][sub])
         o2, l2 = run_attention(q, tokens[sub], counts[sub], "page4")

@@ -5,7 +5,7 @@ import pytest
 
 import numqsa
 import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison
 from oracle.problems import make_problem
 
 ARGS = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
@@ -40,18 +40,19 @@ def check_against_oracle(p, result, Kb):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
-def test_prefill_numpy_matches_oracle(seed, layout):
+def test_prefill_numpy_matches_oracle(seed, layout, api_attention):
     p = make_problem([70, 41, 9], positions=[69, 68, 50, 40, 40, 2, -1, 3], req_ids=[0, 0, 0, 1, 1, 2, 0, 5],
                      page_size=16, Hq=4, Hkv=2, D=32, Hi=2, Di=32, dtype=np.float16, layout=layout,
                      seed=seed)
-    result = numqsa.qsa_prefill(*args(p), Kb=6)
-    assert all(isinstance(x, np.ndarray) for x in result)
+    bufs = (poison(np.empty((8, 4, 32), np.float16)), poison(np.empty((8, 4), np.float32)))
+    result = numqsa.qsa_prefill(*args(p), Kb=6, out=bufs)
+    assert all(isinstance(x, np.ndarray) for x in result) and result[0] is bufs[0]
     check_against_oracle(p, result, Kb=6)
     out, lse = result[:2]
     assert not out[6:].any() and np.isneginf(lse[6:]).all()       # inert rows
 
 
-def test_workspace_reuses_its_buffers(seed, monkeypatch):
+def test_workspace_reuses_its_buffers(seed, monkeypatch, api_attention):
     from numba import cuda
     from numqsa import device as dev
     p = make_problem([90], rows_per_req=[5], page_size=16, Hq=2, Hkv=1, D=32, Hi=2, Di=32,

@@ -6,7 +6,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison
 from oracle.problems import make_problem
 
 GEOM = dict(Hi=2, Di=32, Hq=4, Hkv=2, D=32)
@@ -37,24 +37,34 @@ def check(p, out, lse, tokens, counts, Kb):
     assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
 
 
-def test_run_matches_oracle_several_batches(seed):
+def _poisoned(w, rows):
+    """NaN / INT_POISON-filled ``(out, lse, tokens, counts)`` buffers for ``rows`` rows of ``w``."""
+    return (poison(np.empty((rows, w.Hq, w.D), w.out_dtype)), poison(np.empty((rows, w.Hq), np.float32)),
+            poison(np.empty((rows, w.width), np.int32)), poison(np.empty(rows, np.int32)))
+
+
+def test_run_matches_oracle_several_batches(seed, api_attention):
     w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM)
     for k, lens in enumerate([(70, 41), (33, 90)]):
         p = problem(seed + k, lens=lens)
         w.plan(*meta(p))
-        out, lse, tokens, counts = w.run(*layer(p), return_selection=True)
-        assert all(isinstance(x, np.ndarray) for x in (out, lse, tokens, counts))
+        bufs = _poisoned(w, p["req_ids"].size)
+        out, lse, tokens, counts = w.run(*layer(p), out=bufs, return_selection=True)
+        assert all(a is b for a, b in zip((out, lse, tokens, counts), bufs))
         check(p, out, lse, tokens, counts, Kb=5)
 
 
-def test_select_and_attention_alone(seed):
+def test_select_and_attention_alone(seed, api_attention):
     p = problem(seed)
     w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*meta(p))
-    tokens, counts, groups = w.run_select(p["qi"], p["index_cache"])
+    out, lse, t_buf, c_buf = _poisoned(w, 5)
+    g_buf = poison(np.empty((5, 5), np.int32))
+    tokens, counts, groups = w.run_select(p["qi"], p["index_cache"], out=(t_buf, c_buf, g_buf))
+    assert tokens is t_buf and counts is c_buf and groups is g_buf
     want = oracle.select(p["qi"], p["index_cache"], p["index_block_table"], p["req_ids"],
                          p["positions"], p["seq_lens"], Kb=5)
     np.testing.assert_array_equal(counts, want[1])
-    out, lse = w.run_attention(p["q"], p["k_cache"], p["v_cache"], tokens, counts)
+    w.run_attention(p["q"], p["k_cache"], p["v_cache"], tokens, counts, out=(out, lse))
     check(p, out, lse, tokens, counts, Kb=5)
 
 
@@ -85,19 +95,18 @@ def test_prepared_launches_follow_new_arrays(seed, layout):
     assert not np.array_equal(results[0][0], results[1][0])
 
 
-def test_run_writes_out_buffers(seed):
+def test_run_writes_out_buffers(seed, api_attention):
     p = problem(seed)
     w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*meta(p))
     out = np.full((5, 4, 32), np.nan, np.float16)
     lse = np.full((10, 4), np.nan, np.float32)[::2]          # non-contiguous
-    got = w.run(*layer(p), out=(out, lse))
-    assert got[0] is out and got[1] is lse
-    ref = w.run(*layer(p))
-    np.testing.assert_array_equal(out, ref[0])
-    np.testing.assert_array_equal(lse, ref[1])
+    tokens, counts = (poison(np.empty((5, w.width), np.int32)), poison(np.empty(5, np.int32)))
+    got = w.run(*layer(p), out=(out, lse, tokens, counts))
+    assert all(a is b for a, b in zip(got, (out, lse, tokens, counts)))
+    check(p, out, lse, tokens, counts, Kb=5)
 
 
-def test_bfloat16_from_numpy(seed):
+def test_bfloat16_from_numpy(seed, api_attention):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf16 = ml_dtypes.bfloat16
     p = problem(seed, dtype=np.float32)
@@ -161,7 +170,7 @@ def no_reads(monkeypatch):
     return Guard
 
 
-def test_functional_calls_read_no_device_array_back(seed, no_reads):
+def test_functional_calls_read_no_device_array_back(seed, no_reads, api_attention):
     """Default validate=None: select, sparse_attention and the stage functions on device arrays
     never copy a device array to the host; validate=True does (once per metadata array)."""
     p = problem(seed)
@@ -192,7 +201,7 @@ def test_functional_calls_read_no_device_array_back(seed, no_reads):
     assert reads, "validate=True reads the device metadata back"
 
 
-def test_functional_bad_device_page_is_inert_unless_validated(seed):
+def test_functional_bad_device_page_is_inert_unless_validated(seed, api_attention):
     p = problem(seed)
     tokens, counts, _ = numqsa.select(*[p[k] for k in SEL], Kb=5)
     bad = p["block_table"].copy()
@@ -209,7 +218,7 @@ def test_functional_bad_device_page_is_inert_unless_validated(seed):
                                   p["req_ids"], p["seq_lens"]])
 
 
-def test_functional_repeated_calls_replay_one_program(seed, monkeypatch):
+def test_functional_repeated_calls_replay_one_program(seed, monkeypatch, api_attention):
     """Two layers' arrays through select (caller's score workspace and out=) and sparse_attention
     (a Workspace): one prepared program each, re-pointed, each layer its own result."""
     from numqsa import wrapper as W
