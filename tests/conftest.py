@@ -23,6 +23,26 @@ SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 SESSION_SEED = int(os.environ.get("NUMQSA_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
 
+def pytest_configure(config):
+    # pytest-xdist workers are new processes: they take the session's seed from the environment
+    os.environ["NUMQSA_SEED"] = str(SESSION_SEED)
+    _spread_over_cpus(config)
+
+
+def _spread_over_cpus(config):
+    """The simulator runs kernels in pure Python, one core per process: with pytest-xdist installed
+    (the ``[test]`` extra) and no ``-n`` given, the tests are spread over every CPU (``-n 0``: one
+    process). Never on a GPU, where the tier shares one device."""
+    opt = config.option
+    if (not SIMULATOR or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist")
+            or getattr(opt, "numprocesses", None) is not None or opt.dist != "no"
+            or opt.collectonly or opt.usepdb):
+        return
+    n = os.cpu_count() or 1
+    if n > 1:
+        opt.numprocesses, opt.dist, opt.tx = n, "load", ["popen"] * n
+
+
 def pytest_report_header(config):
     mode = "numba CUDA simulator" if SIMULATOR else "real GPU"
     return f"numqsa: {mode}; NUMQSA_SEED={SESSION_SEED}"
