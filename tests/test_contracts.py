@@ -20,7 +20,7 @@ from numqsa import selection as sel
 from numqsa.kernels import index_scores as k_scores
 from numqsa.kernels import topk as k_topk
 from numqsa.plan import arch_profile
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison
 from oracle.problems import make_problem
 from test_attention_kernels import out_precision
 
@@ -344,7 +344,6 @@ def _prefill_vs_oracle(p, Kb, r=4, **kw):
                                                   **kw)
     batch = (p["req_ids"], p["positions"], p["seq_lens"])
     scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch, r=r)
-    from numqsa.testing import groups_of_tokens
     assert_selection_matches(groups_of_tokens(tokens, counts, Kb, r=r), tokens, counts, scores,
                              *batch, Kb=Kb, r=r)
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
@@ -427,7 +426,6 @@ def test_out_dtype_conversions(rng, q_dtype, out_dtype, route):
     assert got is out and out.dtype == as_dt(out_dtype)
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
                                      counts, p["req_ids"], p["seq_lens"])
-    from test_attention_kernels import out_precision
     assert_matches_oracle(out, eo, dtype=out_precision(q_dtype, out_dtype, route), what="out")
     assert_matches_oracle(lse, el, dtype="float32", what="lse")
 
