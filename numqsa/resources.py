@@ -20,7 +20,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4", "grouped")
+KERNEL_MODULES = ("mma", "index_keys", "index_scores", "guard", "topk", "expand", "attention", "page4",
+                  "grouped")
 
 
 @dataclass(frozen=True)
