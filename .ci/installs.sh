@@ -4,7 +4,8 @@
 # resource report for the architectures it targets (cu12: sm_70 and sm_90; cu13: sm_90). The cu13
 # venv first gets torch 2.11's CUDA 13 packages (as on the H200): numqsa[cu13] must leave them as
 # they are and bring no CUDA 12 package; it must refuse sm_70 with the cu12 install's command.
-# The two reports run side by side. Downloads come from pip's cache (shared with .ci/run's venv).
+# The three reports (cu12 sm_70, cu12 sm_90, cu13 sm_90) run side by side; downloads come from
+# pip's cache (shared with .ci/run's venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -50,10 +51,17 @@ fi
 grep -q "pip install 'numqsa\[cu12\]'" refusal.txt || { cat refusal.txt; exit 1; }
 grep -m1 "cannot build" refusal.txt
 
-NUMBA_ENABLE_CUDASIM=0 "$work/cu12/bin/python" -m numqsa.resources --check --arch sm_70 --arch sm_90 >cu12.txt 2>&1 & p12=$!
-NUMBA_ENABLE_CUDASIM=0 "$work/cu13/bin/python" -m numqsa.resources --check --arch sm_90 >cu13.txt 2>&1 & p13=$!
+report() {   # report LOG VARIANT ARCH: the resource report in the background
+    NUMBA_ENABLE_CUDASIM=0 "$work/$2/bin/python" -m numqsa.resources --check --arch "$3" >"$1" 2>&1 &
+}
+report cu12_70.txt cu12 sm_70; p1=$!
+report cu12_90.txt cu12 sm_90; p2=$!
+report cu13_90.txt cu13 sm_90; p3=$!
 rc=0
-wait $p12 || rc=1; echo "== numqsa[cu12] resource report (sm_70, sm_90)"; tail -n 3 cu12.txt
-wait $p13 || rc=1; echo "== numqsa[cu13] resource report (sm_90)"; tail -n 3 cu13.txt
-[ $rc = 0 ] || { cat cu12.txt cu13.txt; exit 1; }
+for p in $p1 $p2 $p3; do wait "$p" || rc=1; done
+for f in cu12_70 cu12_90 cu13_90; do echo "== resource report $f: $(grep -c ' sm_[79]0 ' $f.txt) kernels"; tail -n 2 $f.txt; done
+[ $rc = 0 ] || { cat cu12_70.txt cu12_90.txt cu13_90.txt; exit 1; }
+differ=$(diff <(grep ' sm_90 ' cu12_90.txt) <(grep ' sm_90 ' cu13_90.txt) | grep '^[<>]' || true)
+echo "sm_90 rows that CUDA 13 compiles differently from CUDA 12 (cu12 <, cu13 >):"
+echo "${differ:-(none)}"
 echo "installs.sh: both installs ok in $((SECONDS - t0)) s"
