@@ -32,12 +32,13 @@ if sys.prefix != sys.base_prefix:
     lines += [f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()]
 open(sys.argv[1], "w").write("".join(lines))
 PY
-    mkdir -p /tmp/numqsa-whl
+    rm -rf /tmp/numqsa-whl
     "$venv/bin/python" -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/numqsa-whl "$root" || return 1
     extra=
     ls .whl/nvidia_nvvm-*.whl .whl/nvidia_cuda_cccl-*.whl >/dev/null 2>&1 && extra='[cu13]'
+    # this checkout's wheel by its path (never a stale numqsa wheel in .whl/), the rest from .whl/
     "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --find-links "$root/.whl" \
-        --find-links /tmp/numqsa-whl "numqsa$extra" || return 1
+        "$(echo /tmp/numqsa-whl/numqsa-*.whl)$extra" || return 1
     echo "gpu_venv: installed numqsa$extra into $venv"
     "$venv/bin/python" -m pip list --path "$site" 2>/dev/null | tail -n +3 | tr -s ' ' | paste -sd ' ' |
         sed 's/^/gpu_venv: in the venv itself: /'
