@@ -1,11 +1,13 @@
 """Offline resource report: every numqsa kernel compiled for sm_70 and sm_90 without a GPU.
 
-``python -m numqsa.resources`` compiles each kernel module's ``RESOURCE_CASES`` to LTO-IR with the CUDA
-12 toolchain (numba-cuda[cu12]), links it with nvJitLink as numba does at launch (so float16 helpers
-are inlined), and parses ptxas' report: registers, static shared memory, stack frame and spills. With
-the launch's threads per block and dynamic shared memory it derives the blocks per SM and occupancy
-on a V100 (sm_70) and an H200 (sm_90). ``--check`` exits non-zero on any spill, or on shared memory
-that does not fit a V100 block (48 KB static) for sm_70 cases.
+``python -m numqsa.resources`` compiles each kernel module's ``RESOURCE_CASES`` to LTO-IR with the
+install's CUDA toolchain (CUDA 12, ``numqsa[cu12]``, builds both architectures), links it with
+nvJitLink as numba does at launch (so float16 helpers are inlined), and parses ptxas' report:
+registers, static shared memory, stack frame and spills. With the launch's threads per block and
+dynamic shared memory it derives the blocks per SM and occupancy on a V100 (sm_70) and an H200
+(sm_90). ``--check`` exits non-zero on any spill, or on shared memory that does not fit a V100 block
+(48 KB static) for sm_70 cases. ``--arch sm_90`` reports one architecture: a CUDA 13 install
+(``numqsa[cu13]``) cannot build sm_70 and refuses it before compiling (:mod:`numqsa.toolchain`).
 
 A ``RESOURCE_CASES`` entry is ``(name, kernel, signature, threads_per_block, dynamic_smem_bytes, cc)``
 with ``kernel`` a ``cuda.jit`` dispatcher (or its Python function) and ``cc`` ``(7, 0)``, ``(9, 0)``
@@ -19,6 +21,8 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+
+from .toolchain import ToolchainError, check_target
 
 KERNEL_MODULES = ("mma", "index_keys", "index_scores", "guard", "topk", "expand", "attention", "page4",
                   "grouped")
@@ -129,6 +133,8 @@ def collect_cases(modules=KERNEL_MODULES):
 
 
 def report(modules=KERNEL_MODULES, ccs=((7, 0), (9, 0))):
+    for target in ccs:           # refuse a target the toolchain cannot build before compiling any
+        check_target(target)
     rows = []
     for mod, name, kernel, sig, threads, dyn_smem, cc in collect_cases(modules):
         for target in ccs:
@@ -172,13 +178,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 on spills or V100-illegal shared memory")
+    ap.add_argument("--arch", action="append", choices=["sm_70", "sm_90"],
+                    help="report this architecture only (repeatable; default: sm_70 and sm_90)")
     ap.add_argument("modules", nargs="*", default=list(KERNEL_MODULES))
     args = ap.parse_args(argv)
+    ccs = tuple((int(a[3]), int(a[4])) for a in sorted(set(args.arch or ["sm_70", "sm_90"])))
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("the resource report compiles real kernels: unset NUMBA_ENABLE_CUDASIM")
     import warnings
     warnings.simplefilter("ignore")
-    rows = report(args.modules)
+    try:
+        rows = report(args.modules, ccs)
+    except ToolchainError as err:
+        sys.exit(f"numqsa.resources: {err}\n(--arch sm_90 reports what this install can build)")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
