@@ -31,7 +31,8 @@ from numqsa import selection as sel  # noqa: E402
 from numqsa.kernels import index_scores as k_scores  # noqa: E402
 from numqsa.kernels import topk as k_topk  # noqa: E402
 from numqsa.plan import arch_profile  # noqa: E402
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device  # noqa: E402
+from numqsa.testing import (assert_matches_oracle, assert_selection_matches, groups_of_tokens,  # noqa: E402
+                            poison, to_device)
 from oracle.problems import make_problem  # noqa: E402
 
 try:
@@ -165,8 +166,56 @@ def run(arch, routes, quick, seed=7):
                              f"{name} attention bf16 {hq}/{hkv}")
         if BF16 is not None:
             bf_selection(arch, prof, p, s, ok, name)
+    inert_cases(ok, seed)
     cuda.synchronize()
     return n
+
+
+PREFILL = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
+           "req_ids", "positions", "seq_lens")
+
+
+def inert_cases(ok, seed):
+    """Issue 22: device tables with a bad page id a row needs (not read back: the guard makes that
+    row inert), and a ``Kb`` far past the visible groups (the page-4 plan sized by what rows see).
+    Rows 0 / 1 of request 0 sit at 299 / 150; index column 20 and KV column 15 are row 0's only."""
+    from oracle.batch import bad_page_rows
+    p = make_problem([300, 40], positions=[299, 150, 39, 20], req_ids=[0, 0, 1, 1], page_size=16,
+                     Hq=6, Hkv=1, D=256, Hi=4, Di=128, dtype=np.float16, seed=seed + 5,
+                     shared_index_table=False)
+    ic, kc = p["index_cache"].shape, p["k_cache"].shape
+    for table, col, value, validate, kb in (("index_block_table", 20, 10**6, None, 8),
+                                            ("block_table", 15, -3, False, 8),
+                                            (None, 0, 0, None, 20000)):
+        d = {k: to_device(np.ascontiguousarray(p[k])) for k in PREFILL}
+        pos = p["positions"]
+        if table is not None:
+            bad_tab = p[table].copy()
+            bad_tab[0, col] = value
+            d[table] = to_device(bad_tab)
+            kw = (dict(index_block_table=bad_tab, num_idx_pages=ic[0], idx_page_rows=ic[1])
+                  if table == "index_block_table" else
+                  dict(block_table=bad_tab, num_pages=kc[0], page_size=kc[1]))
+            bad = bad_page_rows(p["req_ids"], pos, p["seq_lens"], R, **kw)
+            assert bad.tolist() == [True, False, False, False]
+            pos = np.where(bad, -1, pos).astype(np.int32)
+        rows, w = pos.size, kb * R + R - 1
+        out = (poison(cuda.device_array(p["q"].shape, np.float16)),
+               poison(cuda.device_array(p["q"].shape[:2], np.float32)),
+               poison(cuda.device_array((rows, w), np.int32)),
+               poison(cuda.device_array(rows, np.int32)))
+        numqsa.qsa_prefill(*[d[k] for k in PREFILL], Kb=kb, validate=validate, out=out)
+        o, lse, tok, cnt = (x.copy_to_host() for x in out)
+        ref = oracle.qsa_prefill(*[p[k] for k in PREFILL[:8]], pos, p["seq_lens"], Kb=kb)
+        ref_s = oracle.index_scores(*[p[k] for k in PREFILL[:3]], p["req_ids"], pos, p["seq_lens"])
+        assert_selection_matches(groups_of_tokens(tok, cnt, kb), tok, cnt, ref_s, p["req_ids"], pos,
+                                 p["seq_lens"], Kb=kb)
+        eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tok,
+                                         cnt, p["req_ids"], p["seq_lens"])
+        assert_matches_oracle(o, eo, dtype="float16", what="inert out")
+        assert_matches_oracle(lse, el, dtype="float16", what="inert lse")
+        np.testing.assert_array_equal(cnt, ref[3])
+        ok(f"issue 22 prefill {table or 'Kb 20000'} {value if table else ''}".rstrip())
 
 
 def scores_variants(arch, prof, d, ref_s, ok, name, label, sm70_tiled):

@@ -79,7 +79,8 @@ def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, s
         _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
                                 profile, stream, bufs)
     else:
-        keys = None if tokens is None else bufs("page4.keys", tokens.shape, np.int32)
+        keys = None if tokens is None else bufs(
+            "page4.keys", (tokens.shape[0], min(tokens.shape[1], pages.shape[1] * r)), np.int32)
         _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
                             stream, r, tokens=tokens, keys=keys)
 
@@ -147,11 +148,13 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
 
 def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
                      scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
-                     workspace=None, validate=None):
+                     workspace=None, validate=None, max_groups=None):
     """The direct launcher behind :func:`sparse_attention` (same arguments and results): what
     :class:`numqsa.QSAPrefillWrapper` records, and what a forced ``route_name`` runs.
 
     ``workspace`` (a :class:`numqsa.Workspace`) keeps the page-4 plan's buffers between calls.
+    ``max_groups`` (the plan's ``max(seq_lens) // r`` when the host knows it) bounds the page-4
+    plan's width with the table's capacity (:func:`numqsa.kernels.page4.plan_pages`).
     """
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
@@ -179,7 +182,8 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
     lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)
     if name == "page4":
-        kb = (tok.shape[1] - (r - 1)) // r
+        kb = _page4.plan_pages((tok.shape[1] - (r - 1)) // r, tab.shape[1], page_size, r,
+                               max_groups)
         bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
                 else (lambda n, shape, dt: dev.empty(shape, dt, stream)))
 

@@ -27,11 +27,17 @@ __all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device
            "host_int32", "ints"]
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+_BUILDABLE = set()         # compute capabilities this install's toolchain was checked to build
 
 
 def resolve_stream(stream=None):
     """A numba stream from ``None`` (default stream), a numba stream, a raw ``cudaStream_t`` handle,
-    or a torch/CuPy stream object."""
+    or a torch/CuPy stream object.
+
+    Every launch path resolves a stream first: the first one also checks that this install's
+    toolchain can build for the device (:func:`device_cc`), before any kernel compiles."""
+    if not (SIMULATOR or _BUILDABLE):
+        device_cc()
     if stream is None or stream == 0:
         return cuda.default_stream()
     if isinstance(stream, type(cuda.default_stream())):               # a numba stream
@@ -259,10 +265,20 @@ def empty(shape, dtype, stream):
 
 
 def device_cc():
-    """Compute capability of the current device; in the simulator, that of ``NUMQSA_ARCH`` (default sm_90)."""
+    """Compute capability of the current device; in the simulator, that of ``NUMQSA_ARCH`` (default sm_90).
+
+    Kernels are compiled for the device's own cc (``NUMQSA_ARCH`` picks the launch profile only, so
+    the sm_70 kernels still build on an sm_75+ device with CUDA 13); a device this install's
+    toolchain cannot build for (a V100 under CUDA 13) raises :class:`numqsa.toolchain.ToolchainError`.
+    """
     if SIMULATOR:
         return PROFILES[os.environ.get("NUMQSA_ARCH", "sm_90")].cc
-    return tuple(cuda.get_current_device().compute_capability)
+    cc = tuple(cuda.get_current_device().compute_capability)
+    if cc not in _BUILDABLE:
+        from .toolchain import check_target   # imported here: `python -m numqsa.toolchain` runs it
+        check_target(cc)
+        _BUILDABLE.add(cc)
+    return cc
 
 
 #: Floating dtypes the kernels take. bfloat16: tensor-core routes on sm_80+; on sm_70 (no bfloat16

@@ -46,7 +46,7 @@ class AttentionProfile:
     group_rows: int = 8        # query rows sharing K/V pages in the page-4 route: one warp per row;
                                # 16 warps x ~160 registers do not fit an SM (resource report)
     threads: int = 128
-    page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in bench/NOTES.md
+    page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in docs/kernels/page4.md
 
 
 
@@ -95,7 +95,7 @@ PROFILES = {
         scores=ScoresProfile(mma="m16n8k16", tiled_min_rows=1, tiled_min_elems=0),
         topk=TopkProfile(),
         # page4_min_rows: the grouped kernel (numqsa.kernels.grouped) wins from one row: H200, 32K
-        # context, 2051 selected, GPU-only ms (bench/attention_probe.py, bench/NOTES.md "grouped
+        # context, 2051 selected, GPU-only ms (bench/attention_probe.py, docs/kernels/grouped.md "grouped
         # v3"), grouped / generic: 1 row 0.095 / 3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29
         attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
     ),

@@ -1,11 +1,13 @@
 """Offline resource report: every numqsa kernel compiled for sm_70 and sm_90 without a GPU.
 
-``python -m numqsa.resources`` compiles each kernel module's ``RESOURCE_CASES`` to LTO-IR with the CUDA
-12 toolchain (numba-cuda[cu12]), links it with nvJitLink as numba does at launch (so float16 helpers
-are inlined), and parses ptxas' report: registers, static shared memory, stack frame and spills. With
-the launch's threads per block and dynamic shared memory it derives the blocks per SM and occupancy
-on a V100 (sm_70) and an H200 (sm_90). ``--check`` exits non-zero on any spill, or on shared memory
-that does not fit a V100 block (48 KB static) for sm_70 cases.
+``python -m numqsa.resources`` compiles each kernel module's ``RESOURCE_CASES`` to LTO-IR with the
+install's CUDA toolchain (CUDA 12, ``numqsa[cu12]``, builds both architectures), links it with
+nvJitLink as numba does at launch (so float16 helpers are inlined), and parses ptxas' report:
+registers, static shared memory, stack frame and spills. With the launch's threads per block and
+dynamic shared memory it derives the blocks per SM and occupancy on a V100 (sm_70) and an H200
+(sm_90). ``--check`` exits non-zero on any spill, or on shared memory that does not fit a V100 block
+(48 KB static) for sm_70 cases. ``--arch sm_90`` reports one architecture: a CUDA 13 install
+(``numqsa[cu13]``) cannot build sm_70 and refuses it before compiling (:mod:`numqsa.toolchain`).
 
 A ``RESOURCE_CASES`` entry is ``(name, kernel, signature, threads_per_block, dynamic_smem_bytes, cc)``
 with ``kernel`` a ``cuda.jit`` dispatcher (or its Python function) and ``cc`` ``(7, 0)``, ``(9, 0)``
@@ -28,7 +30,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL_MODULES = ("mma", "index_keys", "index_scores", "topk", "expand", "attention", "page4", "grouped")
+from .toolchain import ToolchainError, check_target, toolchain
+
+KERNEL_MODULES = ("mma", "index_keys", "index_scores", "guard", "topk", "expand", "attention", "page4",
+                  "grouped")
 
 
 @dataclass(frozen=True)
@@ -122,8 +127,9 @@ def _parse(log):
 
 
 # The distributions whose versions change what a kernel compiles to.
-TOOLCHAIN = ("numba", "numba-cuda", "llvmlite", "cuda-core", "cuda-bindings", "nvidia-cuda-nvcc-cu12",
-             "nvidia-nvjitlink-cu12", "nvidia-cuda-nvrtc-cu12")
+TOOLCHAIN = ("numba", "numba-cuda", "llvmlite", "cuda-core", "cuda-bindings", "cuda-toolkit",
+             "nvidia-cuda-nvcc-cu12", "nvidia-nvjitlink-cu12", "nvidia-cuda-nvrtc-cu12",
+             "nvidia-cuda-nvcc", "nvidia-nvjitlink", "nvidia-cuda-nvrtc", "nvidia-nvvm")
 
 
 def cache_dir():
@@ -138,7 +144,8 @@ def cache_dir():
 
 
 def source_key():
-    """A hash of every numqsa source file and the compiler toolchain's versions."""
+    """A hash of every numqsa source file and the compiler toolchain: its wheels' versions, the
+    NVRTC version and the libNVVM numba-cuda loads (path, size and time: a machine's own toolkit)."""
     from importlib import metadata
     h = hashlib.sha256()
     pkg = Path(__file__).resolve().parent
@@ -150,6 +157,9 @@ def source_key():
         except metadata.PackageNotFoundError:
             version = "-"
         h.update(f"{dist}={version}\0".encode())
+    t = toolchain()
+    nvvm = os.stat(t.nvvm) if t.nvvm and os.path.exists(t.nvvm) else None
+    h.update(repr((t.nvrtc, t.nvvm, nvvm and (nvvm.st_size, nvvm.st_mtime_ns))).encode())
     return h.hexdigest()
 
 
@@ -211,6 +221,8 @@ def collect_cases(modules=KERNEL_MODULES):
 
 
 def report(modules=KERNEL_MODULES, ccs=((7, 0), (9, 0))):
+    for target in ccs:           # refuse a target the toolchain cannot build before compiling any
+        check_target(target)
     root = cache_dir()
     key = source_key() if root is not None else None
     env = sorted((k, v) for k, v in os.environ.items()
@@ -271,13 +283,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--check", action="store_true", help="exit 1 on spills or V100-illegal shared memory")
+    ap.add_argument("--arch", action="append", choices=["sm_70", "sm_90"],
+                    help="report this architecture only (repeatable; default: sm_70 and sm_90)")
     ap.add_argument("modules", nargs="*", default=list(KERNEL_MODULES))
     args = ap.parse_args(argv)
+    ccs = tuple((int(a[3]), int(a[4])) for a in sorted(set(args.arch or ["sm_70", "sm_90"])))
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("the resource report compiles real kernels: unset NUMBA_ENABLE_CUDASIM")
     import warnings
     warnings.simplefilter("ignore")
-    rows = report(args.modules)
+    try:
+        rows = report(args.modules, ccs)
+    except ToolchainError as err:
+        sys.exit(f"numqsa.resources: {err}\n(--arch sm_90 reports what this install can build)")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,6 +21,7 @@ from oracle.batch import row_states
 
 from . import device as dev
 from .kernels import expand as _expand
+from .kernels import guard as _guard
 from .kernels import index_keys as _pre
 from .kernels import index_scores as _scores
 from .kernels import topk as _topk
@@ -211,7 +212,8 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
     ``seq_lens`` (or ``validate=True``); for device ``seq_lens`` (not read back) to ``out``'s width
     if ``out`` is given, else the index table's capacity ``cols * R`` (the extra columns are
     ``-inf``). Tensor-core tiles for long prefill (float16 inputs, :func:`numqsa.plan.plan_select`),
-    a light fp32 kernel otherwise.
+    a light fp32 kernel otherwise. A row needing an index page id outside the cache (a device table
+    not read back: :func:`numqsa.kernels.guard`) is inert: all ``-inf``.
     """
     r, rows = _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions,
                                    seq_lens, r, validate)
@@ -225,9 +227,14 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
     stream = dev.caller_stream(stream, qi)
     was_host = dev.is_host(qi)
     scores, ret = dev.output(out, (rows, int(num_groups)), np.float32, stream, "index_scores", qi)
-    _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0],
-                   dev.ints(index_block_table, stream), dev.ints(req_ids, stream),
-                   dev.ints(positions, stream), dev.ints(seq_lens, stream), scores, r, stream)
+    ibt, req, pos, lens = (dev.ints(x, stream) for x in (index_block_table, req_ids, positions,
+                                                         seq_lens))
+    if not values_checked(validate, index_block_table, seq_lens):
+        pos = _guard.launch_guard(req, pos, lens, ibt, int(index_cache.shape[0]),
+                                  int(index_cache.shape[1]), dev.empty((rows,), np.int32, stream),
+                                  stream, r=r)
+    _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0], ibt, req,
+                   pos, lens, scores, r, stream)
     return dev.finish(scores, was_host, out, stream, ret)
 
 
@@ -236,8 +243,10 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     """Row ``i`` keeps ``min(Kb, nb_i)`` groups by (score desc, group id asc), ascending, -1 padded.
 
     The rule is applied bitwise to float32 scores (``-0.0 == +0.0``); NumPy scores of another dtype
-    are rounded to float32 first, device scores must already be C-contiguous float32 (not checked
-    for NaN: visible scores must not be NaN). Shapes: ``scores [rows, G]`` -> ``int32 [rows, Kb]``.
+    are rounded to float32 first, device scores must already be C-contiguous float32. A NaN score
+    (either sign, any payload) ranks above every number and NaNs tie, so a row takes its NaN groups
+    first, lowest ids first, then ``+inf`` -- :func:`oracle.topk_groups`'s rule and ``torch.topk``'s
+    order, on host and device scores alike. Shapes: ``scores [rows, G]`` -> ``int32 [rows, Kb]``.
     With host metadata (or ``validate=True``) a row seeing more than ``G`` groups is refused; on
     the device the kernel ranks the first ``G`` only.
     """
@@ -256,9 +265,6 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     stream = dev.caller_stream(stream, scores)
     was_host = dev.is_host(scores)
     if was_host:
-        if nb is not None and np.isnan(np.where(np.arange(s[1])[None, :] < nb[:, None], scores,
-                                                0)).any():
-            raise V.QSAInputError("scores has NaN among a row's visible groups")
         scores = np.ascontiguousarray(scores, dtype=np.float32)
     elif V.dtype_name(scores) != "float32":
         raise V.QSAInputError(f"device scores must be float32, got {V.dtype_name(scores)}")

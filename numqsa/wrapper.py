@@ -72,13 +72,15 @@ class QSAPrefillWrapper:
     Dtypes: ``"float16"``, ``"bfloat16"`` (torch.bfloat16 / ml_dtypes.bfloat16 arrays; tensor cores
     on sm_80+, the FMA routes on sm_70) or ``"float32"``.
 
-    Device memory the wrapper keeps beyond the caller's arrays (``G = num_groups``, ``P`` pieces of
-    128 pages of a row's ``Kb + 1`` page-4 pages, ``P = max(1, (Kb + 1) // 128)``): the selection's
-    ``min(rows, score_bytes // (4*G)) * G * 4`` bytes of scores plus ``rows * Kb * 4`` (groups, when
-    the caller does not take them) and its outputs when not given; the grouped attention route's
-    ``rows * (Kb + 1) * 12`` (page plan, own-page lists), ``ceil(rows / 8) * P * 8 * min(Kb + 1, 256)
-    * 8`` (window unions) and, when ``P > 1``, ``rows * Hq * P * (D + 2) * 4`` (pieces before their
-    merge). 16,384 rows at 1M tokens (Kb 512, Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores
+    Device memory the wrapper keeps beyond the caller's arrays (``G = num_groups``; a row's page-4
+    plan holds ``K + 1`` pages, ``K = min(Kb, G, block table capacity)``
+    (:func:`numqsa.kernels.page4.plan_pages`: what rows can select, not ``Kb``), in ``P`` pieces of
+    128, ``P = max(1, (K + 1) // 128)``): the selection's ``min(rows, score_bytes // (4*G)) * G * 4``
+    bytes of scores plus ``rows * Kb * 4`` (groups, when the caller does not take them) and its
+    outputs when not given; ``rows * 4`` (guarded positions, for tables not checked on the host);
+    the grouped attention route's ``rows * (K + 1) * 12`` (page plan, own-page lists),
+    ``ceil(rows / 8) * P * 8 * min(K + 1, 256) * 8`` (window unions) and, when ``P > 1``,
+    ``rows * Hq * P * (D + 2) * 4`` (pieces before their merge). 16,384 rows at 1M tokens (Kb 512, Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores
     (``bench/bench_million.py``; a chain holding all the scores would need 16 GiB for them alone).
     """
 
@@ -132,8 +134,9 @@ class QSAPrefillWrapper:
         ``seq_lens`` stays on the device and is not read back, the index table's capacity
         ``cols * R``). ``validate``: True reads device-resident metadata back once (one
         synchronisation) to check page ids and lengths; None checks host metadata only (device
-        tables are then guarded by the kernels: a row needing a bad page id is inert); False checks
-        nothing but shapes and dtypes. Host metadata are copied into buffers the wrapper keeps,
+        tables are then guarded on the device, :mod:`numqsa.kernels.guard`: a row needing a bad
+        page id is inert, with count 0 and ``-1`` tokens); False checks nothing but shapes and
+        dtypes (and the kernels guard every table). Host metadata are copied into buffers the wrapper keeps,
         device int32 metadata are used in place (keep them alive and unchanged until the last run
         of this plan), device int64 metadata are converted on the device into kept buffers. Copies
         and conversions go on ``stream`` (default: the current stream of ``req_ids``' framework);
@@ -192,6 +195,10 @@ class QSAPrefillWrapper:
         self._groups = num_groups if num_groups is not None else need
         self._host = host
         self._validate = validate
+        # tables the host did not check (device tables not read back, or validate=False): the
+        # kernels guard them (numqsa.kernels.guard), so a row needing a bad page id is inert
+        self._guard = validate is False or any(
+            n not in host for n in ("seq_lens", "block_table", "index_block_table"))
         self._attention_only = attention_only
         # the caller's own arrays (numba views are made only to record or replay slowly)
         self._meta_objs = [arrays[n] for n in META]
@@ -339,7 +346,7 @@ class QSAPrefillWrapper:
             outs.append((b, okind))
             ptrs.append(p)
             keys.append(k)
-        key = (mode, self._meta_key, self._groups, tuple(keys))
+        key = (mode, self._meta_key, self._groups, self._guard, tuple(keys))
         all_ptrs = self._meta_ptrs + ptrs
         prog = self._programs.get(key)
         if prog is not None and any(all_ptrs[j] - all_ptrs[i] != prog.base_ptrs[j] - prog.base_ptrs[i]
@@ -389,23 +396,27 @@ class QSAPrefillWrapper:
             self._check_kv_layout(kc)
             num_pages, page_size, hkv, d = V.check_kv(kc, vc, self.r)
             if (hkv, d) != (self.Hkv, self.D):
-                raise V.QSAInputError(f"k_cache has Hkv = {hkv}, D = {d}; this wrapper was built "
-                                      f"for Hkv = {self.Hkv}, D = {self.D}")
+                raise V.QSAInputError(
+                    f"k_cache has shape {tuple(kc.shape)} (Hkv = {hkv}, D = {d}); expected "
+                    f"[num_pages, page_size, Hkv = {self.Hkv}, D = {self.D}], this wrapper's geometry")
             hq = V.check_q(dev_arrays["q"], rows, hkv, d)
             if hq != self.Hq:
-                raise V.QSAInputError(f"q has Hq = {hq} heads; this wrapper was built for Hq = "
-                                      f"{self.Hq}")
+                raise V.QSAInputError(
+                    f"q has shape {tuple(dev_arrays['q'].shape)} (Hq = {hq}); expected [rows = "
+                    f"{rows}, Hq = {self.Hq}, D = {self.D}], this wrapper's geometry")
             self._check_table("block_table", num_pages, page_size, 1)
         if "qi" in named:
             ic = dev_arrays["index_cache"]
             n_ipages, R, di = V.check_index_cache(ic)
             if di != self.Di:
-                raise V.QSAInputError(f"index_cache has Di = {di}; this wrapper was built for "
-                                      f"Di = {self.Di}")
+                raise V.QSAInputError(
+                    f"index_cache has shape {tuple(ic.shape)} (Di = {di}); expected "
+                    f"[num_idx_pages, idx_page_rows, Di = {self.Di}], this wrapper's geometry")
             hi = V.check_index_q(dev_arrays["qi"], rows, di)
             if hi != self.Hi:
-                raise V.QSAInputError(f"qi has Hi = {hi} heads; this wrapper was built for Hi = "
-                                      f"{self.Hi}")
+                raise V.QSAInputError(
+                    f"qi has shape {tuple(dev_arrays['qi'].shape)} (Hi = {hi}); expected [rows = "
+                    f"{rows}, Hi = {self.Hi}, Di = {self.Di}], this wrapper's geometry")
             self._check_table("index_block_table", n_ipages, R, self.r)
             G = self._score_groups(ic)
         if mode == "attention":
@@ -423,6 +434,8 @@ class QSAPrefillWrapper:
                                 (("tokens", (rows, self.width)), ("counts", (rows,)),
                                  ("groups", (rows, self.Kb))))
                 chunk = select_chunk_rows(rows, G, self.score_bytes)
+                if self._guard:
+                    pos = self._guard_rows(mode, req, pos, lens, ibt, ic, bt, dev_arrays)
                 scores = dev_arrays.get("scores")
                 if scores is None:
                     scores = self._ws.buffer("scores", (max(1, chunk * max(G, 1)),), "float32",
@@ -437,11 +450,23 @@ class QSAPrefillWrapper:
                 attention_launch(dev_arrays["q"], kc, vc, bt, tokens, counts, req, lens,
                                  scale=self.scale, r=self.r, out_dtype=self.out_dtype,
                                  out=(out_arrays[0], out_arrays[1]), workspace=self._ws,
-                                 validate=False)
+                                 validate=False, max_groups=self._groups)
         inputs_all = self._meta + [dev_arrays[n] for n, _ in inputs] + out_arrays
         prog = Program(records, inputs_all)
         prog.tables = self._table_geometry(dev_arrays)
         return prog
+
+    def _guard_rows(self, mode, req, pos, lens, ibt, ic, bt, dev_arrays):
+        """Positions with -1 for the rows needing a bad page id of the tables this mode reads
+        (the index table; in prefill also the block table): every later stage sees them inert."""
+        from .kernels.guard import launch_guard
+        out = self._ws.buffer("guard.positions", (self._rows,), "int32", None)
+        kv = {}
+        if mode == "prefill":
+            kc = dev_arrays["k_cache"]
+            kv = dict(ktable=bt, n_kpages=int(kc.shape[0]), page_size=int(kc.shape[1]))
+        return launch_guard(req, pos, lens, ibt, int(ic.shape[0]), int(ic.shape[1]), out,
+                            dev.resolve_stream(None), r=self.r, **kv)
 
     def _check_kv_layout(self, kc):
         """Point at the likely mistake when a head-major cache arrives untransposed."""

@@ -250,22 +250,3 @@ def test_out_of_the_wrong_dtype(prob, launches, which, match):
     out = [np.zeros((3, 4, 16), np.float16), np.zeros((3, 4), np.float32)]
     out[which] = out[which].astype(np.float32 if which == 0 else np.float16)
     refused(prob, launches, match, out=tuple(out))
-
-
-def test_bad_id_in_a_device_index_table_is_never_read(seed):
-    """A device index table is not read back by default: a needed page id out of range is never
-    dereferenced (the simulator raises on an out-of-bounds read) and the rows of other requests keep
-    their selection. (What that row selects is open: issue 22.)"""
-    p = make_problem([300, 40], positions=[299, 150, 39], req_ids=[0, 0, 1], page_size=16, Hq=4,
-                     Hkv=2, D=16, Hi=2, Di=16, dtype=np.float16, shared_index_table=False, seed=seed)
-    bad = p["index_block_table"].copy()
-    bad[1, 0] = 10_000
-    d = [cuda.to_device(np.ascontiguousarray(a)) for a in
-         (p["qi"], p["index_cache"], bad, p["req_ids"], p["positions"], p["seq_lens"])]
-    tokens, counts, groups = (x.copy_to_host() for x in numqsa.select(*d, Kb=8))
-    rows = [0, 1]                                     # request 0: its table is valid
-    batch = (p["req_ids"][rows], p["positions"][rows], p["seq_lens"])
-    scores = oracle.index_scores(p["qi"][rows], p["index_cache"], p["index_block_table"], *batch)
-    assert_selection_matches(groups[rows], tokens[rows], counts[rows], scores, *batch, Kb=8)
-    with pytest.raises(QSAInputError, match=r"index_block_table\[1, 0\] = 10000"):
-        numqsa.select(*d, Kb=8, validate=True)

@@ -861,7 +861,7 @@ def make_keysm_scores_kernel(hi, di, r, words, warps=4, minb=4, bf16=False, tile
 
 #: Score blocks of at most ``DIRECT_ROWS`` rows, or of at most ``DIRECT_SCORES`` scores, take the
 #: direct kernel (:func:`make_direct_scores_kernel`). H200, ms against the shared-memory kernel
-#: (``bench/NOTES.md``, session 6): 1x32K 0.0070 / 0.0125, 8x32K 0.0085 / 0.0164, 32x32K 0.0116 /
+#: (``docs/kernels/index_scores.md``, session 6): 1x32K 0.0070 / 0.0125, 8x32K 0.0085 / 0.0164, 32x32K 0.0116 /
 #: 0.0164, 4x131K 0.0103 / 0.0178; but 64x32K 0.0191 / 0.0173 and 16x131K 0.0198 / 0.0192.
 DIRECT_ROWS = 8
 DIRECT_SCORES = 1 << 18
@@ -884,7 +884,7 @@ def make_direct_scores_kernel(hi, di, r, words, bf16=False, warps=4, tiles=2):
     A fragments of every tile (key rows ``g`` and ``g + 8``, the same words: what ``ldmatrix``
     gives :func:`make_keysm_scores_kernel` from shared memory). Its chain is three dependent loads
     (row state, page id, key) and the mma; the keys-as-M block's serial barriers are what bounded
-    it at 1-8 rows (``bench/NOTES.md``). The mma k-steps run in the same order on the same
+    it at 1-8 rows (``docs/kernels/index_scores.md``). The mma k-steps run in the same order on the same
     fragments, so a score is bitwise the keys-as-M kernel's: a row's scores do not depend on the
     batch it is in. Signature as the keys-as-M kernel without ``keys_per_block``; grid
     ``(ceil(G / (16 * tiles * warps)), ceil(rows / 8))``, ``32 * warps`` threads, no shared memory

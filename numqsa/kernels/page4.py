@@ -26,7 +26,8 @@ def make_plan_kernel(threads, r):
     Pass 1: thread ``tid`` checks virtual pages ``v = tid, tid + threads, ...`` of the row: the
     ``r`` (or, for the last, ``tail``) ids of page ``v`` must be ``t0, t0+1, ...`` with ``t0 % r == 0``,
     ``t0`` above the previous page's last id, ``< seq_len``, and the table column and page id in
-    range; any failure sets a shared flag. Pass 2 (after a barrier) writes every entry of
+    range, and the row's pages must fit ``pages.shape[1]`` (:func:`plan_pages`); any failure sets a
+    shared flag. Pass 2 (after a barrier) writes every entry of
     ``pages[row]`` -- the plan or ``-1`` -- plus ``num_vpages`` and ``tail_len``.
     Shared memory: 4 bytes.
     """
@@ -48,6 +49,8 @@ def make_plan_kernel(threads, r):
         if tid == uint32(0):
             sbad[0] = int32(0)
             if slen <= int32(0) or n <= int32(0) or n > width:
+                sbad[0] = int32(1)
+            elif (uint32(n) + UR - uint32(1)) // UR > slots:   # more pages than the plan holds
                 sbad[0] = int32(1)
         cuda.syncthreads()
         if sbad[0] == int32(0):
@@ -106,6 +109,19 @@ def make_plan_kernel(threads, r):
 
     plan.threads = NT
     return plan
+
+
+def plan_pages(kb, cols, page_size, r, max_groups=None):
+    """Full pages a row's plan holds (its ``pages`` are ``[rows, plan_pages + 1, 2]``): ``Kb``, but
+    no more than a row can select -- its request's groups, at most ``max_groups`` (the host's
+    ``max(seq_lens) // r``, when known) and the block table's capacity ``cols * page_size // r``
+    (a token past it has no page) -- so no launch after the plan grows with ``Kb`` past what the
+    rows see. A row needing more pages (a caller's selection beyond a wrong ``max_groups``) is left
+    inert by the plan for the generic kernel, as any selection the plan cannot express."""
+    bound = int(cols) * int(page_size) // int(r)
+    if max_groups is not None:
+        bound = min(bound, int(max_groups))
+    return max(1, min(int(kb), bound))
 
 
 def plan_threads(profile):
@@ -661,7 +677,7 @@ def make_window_keys_kernel(group_rows, threads):
         for x in range(first + uint32(1), row + uint32(1)):
             if req_ids[x] != req_ids[x - uint32(1)]:
                 changes += int32(1)
-        for k in range(uint32(cuda.threadIdx.x), uint32(tokens.shape[1]), NT):
+        for k in range(uint32(cuda.threadIdx.x), uint32(keys.shape[1]), NT):
             keys[row, k] = tokens[row, k] + changes * STRIDE
 
     kernel.__name__ = f"page4_window_keys_g{group_rows}"
@@ -710,8 +726,9 @@ def launch_page4(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, scal
         keys = dev.constant(np.zeros((1, 1), np.int32), stream)
         use_keys = np.int32(0)
     else:
-        if keys is None:
-            keys = dev.empty(tokens.shape, np.int32, stream)
+        if keys is None:       # keys of the planned pages' first tokens only
+            keys = dev.empty((tokens.shape[0], min(tokens.shape[1], pages.shape[1] * int(r))),
+                             np.int32, stream)
         _window_keys(tokens, req_ids, keys, gr, stream)
         use_keys = np.int32(1)
     windows = page4_windows(rows, gr)

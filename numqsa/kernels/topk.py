@@ -278,7 +278,7 @@ def launch_topk(score_bits, req_ids, positions, seq_lens, groups, profile, strea
 # ------------------------------------------------------------------------------------------------
 
 HIST_BINS = 4096
-LOAD_BATCH = 8      # scores loaded per thread before any is processed (16 spills: NOTES, session 6)
+LOAD_BATCH = 8      # scores loaded per thread before any is processed (16 spills: docs/kernels/topk.md)
 # radix levels over the 32 ordered bits: (shift, width), most significant first
 LEVELS = ((20, 12), (8, 12), (0, 8))
 
