@@ -87,7 +87,8 @@ def compare(actual, expected):
     rel = norm_d / norm_e if norm_e > 0 else norm_d
     cos = (float(np.sum(np.where(fin, a, 0.0) * e0)) / (norm_a * norm_e)
            if norm_a > 0 and norm_e > 0 else float(norm_a == norm_e))
-    rows = e0.reshape(-1, e.shape[-1]) if e.ndim > 1 else e0.reshape(-1, 1)
+    lead = e.shape[:-1] if e.ndim > 1 else e.shape
+    rows = e0.reshape(int(np.prod(lead)), e.shape[-1] if e.ndim > 1 else 1)
     drows = diff.reshape(rows.shape)
     n_row = (fin.reshape(rows.shape)).sum(axis=1)
     n_all = max(int(fin.sum()), 1)
@@ -95,7 +96,6 @@ def compare(actual, expected):
     row_err = np.linalg.norm(drows, axis=1)
     row_rel = np.where(row_ref > 0, row_err / np.where(row_ref > 0, row_ref, 1.0), row_err)
     worst = int(np.argmax(row_rel)) if row_rel.size else 0
-    lead = e.shape[:-1] if e.ndim > 1 else e.shape
     return dict(max_abs=float(np.abs(diff).max()) if diff.size else 0.0, rel_l2=rel,
                 row_rel_l2=float(row_rel[worst]) if row_rel.size else 0.0,
                 worst_row=tuple(int(i) for i in np.unravel_index(worst, lead)) if row_rel.size else (),

@@ -7,7 +7,7 @@ from numba import cuda
 import numqsa
 import oracle
 from numqsa import launch as L
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison
+from numqsa.testing import assert_matches_oracle, poison
 from oracle.problems import make_problem
 
 QSAInputError = numqsa.QSAInputError
