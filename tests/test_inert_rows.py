@@ -298,7 +298,8 @@ def test_gpu_kb_beyond_visible_groups(seed):
     w.plan(p["req_ids"], p["positions"], p["seq_lens"], p["block_table"], p["index_block_table"])
     out, lse, tokens, counts = (x.copy_to_host() for x in w.run(
         d["qi"], d["index_cache"], d["q"], d["k_cache"], d["v_cache"], return_selection=True))
-    assert w._ws._buffers["page4.pages"].shape[1] == 8192 // 4 + 1
+    if numqsa.attention.route(64, 64).route == "page4":   # sm_70 takes the generic kernel here
+        assert w._ws._buffers["page4.pages"].shape[1] == 8192 // 4 + 1
     np.testing.assert_array_equal(counts, np.minimum(p["positions"], 8191) + 1)
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
                                      counts, p["req_ids"], p["seq_lens"])
