@@ -4,8 +4,8 @@
 
 Per ``Kb``: one :class:`numqsa.QSAPrefillWrapper` planned on a batch of rows at the end of one
 request (page size 64 in random physical order, Hi 4 / Di 128 / Hq 6 / Hkv 1 / D 256, float16),
-then ``run`` with ``out=`` buffers. GPU: warm-up 2, then the median of ``--iters`` calls between
-CUDA events (the GPU time of the whole prefill, launches back to back); simulator: the wall time of
+then ``run`` with ``out=`` buffers. GPU: the median GPU-only time of ``--iters`` calls
+(``attention_probe.gpu_time``: behind a spin kernel, between CUDA events); simulator: the wall time of
 one call (default case 3x300, ``Kb`` 8 and 20000). Each line gives the page-4 plan's width
 (``pages.shape[1]``: ``min(Kb, visible groups) + 1`` since issue 22) and checks the counts against
 the oracle's rule (``min(Kb, nb) * r`` plus the tail): a wrong count prints FAIL, not a time.
@@ -17,7 +17,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 
 def parse_case(s):
@@ -35,6 +37,8 @@ def main():
     from numba import cuda
 
     import numqsa
+    from attention_probe import gpu_time, spin_kernel
+    spin = None if SIMULATOR else spin_kernel()
     from oracle.batch import row_states
     from oracle.problems import make_problem
     rows, ctx = parse_case(a.case)
@@ -61,17 +65,8 @@ def main():
             call()
             ms = 1e3 * (time.perf_counter() - t0)
         else:
-            for _ in range(2):
-                call()
-            times = []
-            for _ in range(a.iters):
-                s, e = cuda.event(), cuda.event()
-                s.record()
-                call()
-                e.record()
-                e.synchronize()
-                times.append(cuda.event_elapsed_time(s, e))
-            ms = float(np.median(times))
+            call()
+            ms = gpu_time(call, a.iters, spin)
         cuda.synchronize()
         counts = out[3].copy_to_host()
         want = 4 * np.minimum(kb, nb) + (pos + 1 - 4 * nb)
