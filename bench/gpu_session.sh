@@ -2,8 +2,9 @@
 # One device call: the GPU test tier (sm_90 kernels, then the sm_70 kernels under NUMQSA_ARCH=sm_70,
 # which the H200 runs by emulating m8n8k4), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on every kernel and route, the main job,
 # and (with --bench) the benchmarks. Full logs and JSON go to $OUT; a short table is printed last.
-# Usage on the device machine, from the repo root, after the wheel install line of bench/NOTES.md:
-#   bash bench/gpu_session.sh [--bench] [pytest -k expression]
+# Usage on the device machine, from the repo root, through numqsa installed there (bench/gpu_venv.sh:
+# a venv beside the machine's CUDA 13 torch, NumPy 2.4 carried in .whl/):
+#   source bench/gpu_venv.sh && bash bench/gpu_session.sh [--bench] [pytest -k expression]
 set -u -o pipefail
 OUT=${OUT:-/tmp/numqsa-out}
 LOG=/tmp/numqsa-logs          # the device returns at most 8 files: logs travel as one tarball
