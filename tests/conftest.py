@@ -82,7 +82,7 @@ def pytest_collection_finish(session):
     try:
         import torch  # noqa: F401
     except ImportError as err:
-        raise pytest.UsageError(f"the GPU tier needs torch (a CUDA 12 build; see README): {err}")
+        raise pytest.UsageError(f"the GPU tier needs torch (a build for the installed CUDA toolchain; see README): {err}")
 
 
 @pytest.fixture
