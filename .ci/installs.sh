@@ -2,7 +2,8 @@
 # CI: the two supported installs, each from the built wheel into a fresh venv, each run from outside
 # the checkout: the README NumPy example in the simulator, the toolchain it loads, and the offline
 # resource report for the architectures it targets (cu12: sm_70 and sm_90; cu13: sm_90). The cu13
-# venv first gets torch 2.11's CUDA 13 packages (as on the H200): numqsa[cu13] must leave them as
+# venv first gets torch 2.11's CUDA 13 packages (as on the H200): the plain install (the CUDA 13
+# one, which [cu13] names again) must leave them as
 # they are and bring no CUDA 12 package; it must refuse sm_70 with the cu12 install's command.
 # The three reports (cu12 sm_70, cu12 sm_90, cu13 sm_90) run side by side; downloads come from
 # pip's cache (shared with .ci/run's venv).
@@ -18,16 +19,21 @@ rm -rf dist
 python3 -m pip wheel -q --no-deps -w dist .
 whl=$(echo "$root"/dist/numqsa-*.whl)
 
-python3 -m venv "$work/cu12" && "$work/cu12/bin/pip" install -q "$whl[cu12]"
+python3 -m venv "$work/cu12" && "$work/cu12/bin/pip" install -q -U pip && "$work/cu12/bin/pip" install -q "$whl[cu12]"
 # torch 2.11.0's own CUDA requirements (cuda-toolkit ==13.0.2, cuda-bindings >=13.0.3: the H200 has 13.3.1)
 theirs=(cuda-bindings==13.3.1 'cuda-toolkit[cudart,nvjitlink,nvrtc]==13.0.2')
-python3 -m venv "$work/cu13" && "$work/cu13/bin/pip" install -q "${theirs[@]}"
+python3 -m venv "$work/cu13" && "$work/cu13/bin/pip" install -q -U pip && "$work/cu13/bin/pip" install -q "${theirs[@]}"
 before=$("$work/cu13/bin/pip" freeze)
-"$work/cu13/bin/pip" install -q "$whl[cu13]"
+"$work/cu13/bin/pip" install -q "$whl"           # the plain install is the CUDA 13 one
 after=$("$work/cu13/bin/pip" freeze)
 changed=$(comm -23 <(sort <<<"$before") <(sort <<<"$after"))
-[ -z "$changed" ] || { echo "numqsa[cu13] changed the CUDA 13 packages: $changed"; exit 1; }
-if grep -i -- '-cu12' <<<"$after"; then echo "numqsa[cu13] brought CUDA 12 packages"; exit 1; fi
+[ -z "$changed" ] || { echo "numqsa (CUDA 13) changed the CUDA 13 packages: $changed"; exit 1; }
+if grep -i -- '-cu12' <<<"$after"; then echo "numqsa (CUDA 13) brought CUDA 12 packages"; exit 1; fi
+# ... and [cu13] names the same set: nothing more to install
+"$work/cu13/bin/pip" install -q --dry-run --report "$work/cu13.json" "$whl[cu13]"
+"$work/cu13/bin/python" -c 'import json, sys; extra = [i["metadata"]["name"] for i in
+    json.load(open(sys.argv[1]))["install"] if i["metadata"]["name"] != "numqsa"]
+assert not extra, f"numqsa[cu13] would add {extra} to the plain install"' "$work/cu13.json"
 echo "installs: $((SECONDS - t0)) s (wheel, two venvs)"
 
 python3 - "$work/example.py" <<'PY'

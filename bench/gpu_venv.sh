@@ -7,9 +7,9 @@
 #   source bench/gpu_venv.sh && bash bench/gpu_session.sh [--bench] [pytest -k expression]
 # It leaves the venv first on PATH and the shell in the run directory (NUMQSA_RUN), and prints
 # where numqsa, NumPy and torch come from and the CUDA toolchain it compiles with.
-# Extra: numqsa[cu13] where .whl/ also holds its toolchain wheels (nvidia-nvvm, nvidia-cuda-cccl:
-# 65 MB, more than a run carries); without them the plain install, which compiles with the
-# machine's own CUDA 13 toolkit (the H200 image has no nvvm wheel).
+# The CUDA 13 install: with its dependencies where .whl/ also holds its toolchain wheels
+# (nvidia-nvvm, nvidia-cuda-cccl: 65 MB, more than a run carries); without them numqsa's wheel
+# alone, compiling with the machine's own CUDA 13 toolkit (the H200 image has no nvvm wheel).
 _nq_main() {
     local root venv site extra
     root=$(pwd)
@@ -34,12 +34,19 @@ open(sys.argv[1], "w").write("".join(lines))
 PY
     rm -rf /tmp/numqsa-whl
     "$venv/bin/python" -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/numqsa-whl "$root" || return 1
-    extra=
-    ls .whl/nvidia_nvvm-*.whl .whl/nvidia_cuda_cccl-*.whl >/dev/null 2>&1 && extra='[cu13]'
-    # this checkout's wheel by its path (never a stale numqsa wheel in .whl/), the rest from .whl/
-    "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --find-links "$root/.whl" \
-        "$(echo /tmp/numqsa-whl/numqsa-*.whl)$extra" || return 1
-    echo "gpu_venv: installed numqsa$extra into $venv"
+    whl=$(echo /tmp/numqsa-whl/numqsa-*.whl)    # this checkout's (never a stale one in .whl/)
+    if ls .whl/nvidia_nvvm-*.whl .whl/nvidia_cuda_cccl-*.whl >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --find-links "$root/.whl" \
+            "$whl[cu13]" || return 1
+        echo "gpu_venv: installed numqsa[cu13] into $venv"
+    else
+        # The CUDA 13 install (plain or [cu13]) less its NVVM and CCCL wheels, which the image's own
+        # CUDA 13 toolkit (/usr/local/cuda) provides: NumPy from .whl/, the rest is the image's.
+        "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --find-links "$root/.whl" \
+            'numpy>=1.26,<2.5' || return 1
+        "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --no-deps "$whl" || return 1
+        echo "gpu_venv: installed numqsa into $venv (NVVM and CCCL from the image's CUDA 13 toolkit)"
+    fi
     "$venv/bin/python" -m pip list --path "$site" 2>/dev/null | tail -n +3 | tr -s ' ' | paste -sd ' ' |
         sed 's/^/gpu_venv: in the venv itself: /'
     mkdir -p "$NUMQSA_RUN"
