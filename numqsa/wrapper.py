@@ -80,8 +80,9 @@ class QSAPrefillWrapper:
     outputs when not given; ``rows * 4`` (guarded positions, for tables not checked on the host);
     the grouped attention route's ``rows * (K + 1) * 12`` (page plan, own-page lists),
     ``ceil(rows / 8) * P * 8 * min(K + 1, 256) * 8`` (window unions) and, when ``P > 1``,
-    ``rows * Hq * P * (D + 2) * 4`` (pieces before their merge). 16,384 rows at 1M tokens (Kb 512, Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores
-    (``bench/bench_million.py``; a chain holding all the scores would need 16 GiB for them alone).
+    ``rows * Hq * P * (D + 2) * 4`` (pieces before their merge). 16,384 rows at 1M tokens (Kb 512,
+    Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores (``bench/bench_million.py``; a chain holding
+    all the scores would need 16 GiB for them alone).
     """
 
     def __init__(self, *, Hi: int = 4, Di: int = 128, Hq: int = 6, Hkv: int = 1, D: int = 256,
@@ -136,8 +137,8 @@ class QSAPrefillWrapper:
         synchronisation) to check page ids and lengths; None checks host metadata only (device
         tables are then guarded on the device, :mod:`numqsa.kernels.guard`: a row needing a bad
         page id is inert, with count 0 and ``-1`` tokens); False checks nothing but shapes and
-        dtypes (and the kernels guard every table). Host metadata are copied into buffers the wrapper keeps,
-        device int32 metadata are used in place (keep them alive and unchanged until the last run
+        dtypes (and the kernels guard every table). Host metadata are copied into buffers the
+        wrapper keeps, device int32 metadata are used in place (keep them alive and unchanged until the last run
         of this plan), device int64 metadata are converted on the device into kept buffers. Copies
         and conversions go on ``stream`` (default: the current stream of ``req_ids``' framework);
         run the layers on the same stream.
