@@ -79,8 +79,8 @@ def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, s
         _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
                                 profile, stream, bufs)
     else:
-        keys = None if tokens is None else bufs(
-            "page4.keys", (tokens.shape[0], min(tokens.shape[1], pages.shape[1] * r)), np.int32)
+        keys = None if tokens is None else bufs("page4.keys", _page4.keys_shape(tokens, pages, r),
+                                                np.int32)
         _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
                             stream, r, tokens=tokens, keys=keys)
 

@@ -124,6 +124,12 @@ def plan_pages(kb, cols, page_size, r, max_groups=None):
     return max(1, min(int(kb), bound))
 
 
+def keys_shape(tokens, pages, r):
+    """Shape of the window keys (:func:`make_window_keys_kernel`): the tokens of the planned pages,
+    ``pages.shape[1] * r`` at most."""
+    return int(tokens.shape[0]), min(int(tokens.shape[1]), int(pages.shape[1]) * int(r))
+
+
 def plan_threads(profile):
     return 32 if SIMULATOR else 128
 
@@ -727,8 +733,7 @@ def launch_page4(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, scal
         use_keys = np.int32(0)
     else:
         if keys is None:       # keys of the planned pages' first tokens only
-            keys = dev.empty((tokens.shape[0], min(tokens.shape[1], pages.shape[1] * int(r))),
-                             np.int32, stream)
+            keys = dev.empty(keys_shape(tokens, pages, r), np.int32, stream)
         _window_keys(tokens, req_ids, keys, gr, stream)
         use_keys = np.int32(1)
     windows = page4_windows(rows, gr)
