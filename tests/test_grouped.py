@@ -1,6 +1,6 @@
 """The grouped attention route (numqsa.kernels.grouped) against the float64 oracle, and its invariances.
 
-Simulator tier: the sm_90 route (NUMQSA_ARCH=sm_90) with the simulator's small launch shape (3 ring
+Simulator tier: the sm_90 route (NUMQSA_ARCH=sm_90) with the simulator's small launch shape (2 ring
 stages of 4 pages, pieces of 8 pages, windows of 2 rows), so the ring, multi-piece merges and solo
 rows are all exercised on tiny problems. GPU tier: the shipped shape at every head geometry.
 """
@@ -64,8 +64,8 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
     pages, nv, tl = oracle.page4_plan(tokens, counts, p["block_table"], p["req_ids"], p["seq_lens"],
                                       page_size=16, num_pages=p["k_cache"].shape[0])
     # the simulator's launch shape on every platform: small stages and pieces
-    cfg = grouped.GroupedConfig(32, 6, stages=3, stage_pages=4, prefetch=1, rows_per_window=2,
-                                plan_threads=32, piece=8)
+    cfg = grouped.GroupedConfig(32, 6, stages=2, stage_pages=4, rows_per_window=2, plan_threads=32,
+                                piece=8)
     g, pc = cfg.rows_per_window, cfg.piece
     npieces = grouped.pieces_of(pages.shape[1], pc)
     nwin = -(-4 // g)

@@ -32,14 +32,15 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda.types import float16
 
 from ..jit import SIMULATOR, device_jit, jit
 from .common import bits16, is_bf16
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
-from .smem import (shared_base, cp_async_16, cp_async_commit, cp_async_wait_fn, ldmatrix_x4, ldmatrix_x4_trans,
-                   movmatrix_trans, shfl_xor_f32, warp_any)
+from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, ldmatrix_x4, ldmatrix_x4_trans,
+                   mbar_arrive_warp, mbar_init, mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32,
+                   warp_any)
 
 __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
            "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
@@ -49,9 +50,9 @@ __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_g
 SM70 = False
 
 PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
-MAX_WARPS = 8          # warps per attention block
+MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
+PRODUCERS = 2          # of them copy warps (one leaves the rows' warps waiting on data: session 8)
 SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
-MIN_WARPS = 3 if SIMULATOR else 4  # warps per block at least: a one-row window still loads with 4
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
 NEG_INF = float32(-math.inf)
@@ -69,25 +70,28 @@ else:
 class GroupedConfig:
     """Launch shape of the grouped route; none of it changes a row's arithmetic except ``piece``."""
 
-    def __init__(self, d, hg, stages, stage_pages, prefetch, rows_per_window, plan_threads,
-                 piece=PIECE):
+    def __init__(self, d, hg, stages, stage_pages, rows_per_window, plan_threads, piece=PIECE,
+                 producers=PRODUCERS):
         self.d = int(d)
         self.piece = int(piece)                                  # arithmetic: fixed per platform
         self.head_tiles = -(-int(hg) // HEAD_TILE)              # HT
         self.heads_per_tile = -(-int(hg) // self.head_tiles)     # balanced: 12 -> 2 x 6
         self.stages = int(stages)                                # NB
         self.stage_pages = int(stage_pages)                      # SP
-        self.prefetch = int(prefetch)                            # NF (runtime: G = 1 prefetches more)
+        self.producers = int(producers)                          # copy warps beside the rows' warps
         self.rows_per_window = int(rows_per_window)              # G
         self.plan_threads = int(plan_threads)
 
     @property
     def keep(self):
-        return self.stages - self.prefetch
+        """Stages a chunk may span: every stage of the ring stays readable until each row's warp
+        has released it (the producer refills a stage only then)."""
+        return self.stages
 
     @property
     def smem_bytes(self):
-        return self.stages * self.stage_pages * 2 * 4 * self.d * 2
+        """The ring: K and V, 4 token rows a page, rows padded by 16 bytes (``row_words``)."""
+        return self.stages * self.stage_pages * 2 * 4 * 4 * row_words(self.d)
 
 
 #: Benchmark-only overrides of :func:`grouped_config`'s choices (bench/attention_probe.py --tune).
@@ -95,22 +99,34 @@ TUNING = {}
 
 
 def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
-    """Choose window size and prefetch depth: windows of ``MAX_WARPS // HT`` rows share their loads;
-    few rows get narrower windows (more blocks) down to single rows that prefetch deeper.
+    """Choose the window size: windows of ``MAX_WARPS // HT`` rows share their loads; few rows get
+    narrower windows (more blocks) down to single rows.
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
     if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        return GroupedConfig(d, hg, 3, 4, 1, 1 if single else max(1, 2 // ht), 32, piece=8)
+        return GroupedConfig(d, hg, 2, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=2)
     pieces = pieces_of(kb1, PIECE)
-    g = max(1, MAX_WARPS // ht)
+    producers = TUNING.get("np", PRODUCERS)
+    g = window_rows(hg, producers)
     sms = int(profile.sm_count)
     while g > 1 and -(-rows // g) * pieces * hkv < sms:
         g //= 2
     g = 1 if single else TUNING.get("g", g)
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
-    prefetch = TUNING.get("nf", stages - 1 if g == 1 else 2)
-    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), prefetch, g, 256,
-                         piece=TUNING.get("pc", PIECE))
+    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 256, piece=TUNING.get("pc", PIECE),
+                         producers=producers)
+
+
+def row_words(d):
+    """Words of a token row in the ring: ``d / 2`` and 16 bytes of padding, so that the 8 rows an
+    ``ldmatrix`` reads at one column fall in different banks (a page's 4 rows; the next page sits
+    at a 64-byte offset when its ring page has the other parity)."""
+    return int(d) // 2 + 4
+
+
+def window_rows(hg, producers=PRODUCERS):
+    """Rows of a full window: the rows' warps and the producers fill ``MAX_WARPS``."""
+    return max(1, (MAX_WARPS - int(producers)) // -(-int(hg) // HEAD_TILE))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,12 +331,13 @@ def _page_len(k, k1, nv, tl):
 
 
 @device_jit(forceinline=True)
-def _ring_row(x, solo_phase, sown, rp_count):
-    """Ring page holding the piece's own page ``x`` (its union index modulo the ring; solo: ``x``)."""
+def _ring_row(x, solo_phase, sown, ubase, rp_count):
+    """Ring page holding the piece's own page ``x``: its stream index (union index, or ``x`` itself
+    when solo) past the ``ubase`` pages streamed by earlier phases, modulo the ring."""
     u = x
     if not solo_phase:
         u = sown[x]
-    return uint32(u) % uint32(rp_count)
+    return (uint32(ubase) + uint32(u)) % uint32(rp_count)
 
 
 @device_jit(forceinline=True)
@@ -350,114 +367,121 @@ def _out_conv(out_kind):
 
 
 @functools.lru_cache(maxsize=None)
-def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind):
-    """Grid ``(windows, pieces, Hkv)``, block ``32 * rows_per_window * HT`` threads, dynamic shared
-    memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V); ``out_kind`` "f32", "f16"
-    or "bf16" (the last written as uint16 bits)."""
+def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
+                        producers=PRODUCERS, sm90=False):
+    """Grid ``(windows, pieces, Hkv)``, block ``32 * (rows_per_window * HT + producers)`` threads,
+    dynamic shared memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V);
+    ``out_kind`` "f32", "f16" or "bf16" (the last written as uint16 bits). ``sm90``: waits sleep
+    (``mbarrier.try_wait``) instead of polling.
+
+    Warps ``0 .. G*HT-1`` are the rows' (consumers); the last ``producers`` warps only copy. Stage
+    ``s`` of the block's stream (every phase's stages in one sequence) goes to ring buffer
+    ``s % NB``; ``full[s % NB]`` completes when its copies have landed (each producer lane arrives
+    through ``cp.async.mbarrier.arrive``), ``empty[s % NB]`` when every consumer warp has released it.
+    The producer refills a buffer only after its ``empty`` phase; a consumer releases stages in order,
+    each after waiting on its ``full`` phase, so no warp waits for another's chunks."""
     D, HG, NB, SP, G, PC = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
+    NPW = int(producers)
     if D % 16:
         raise ValueError(f"the grouped kernel needs d % 16 == 0, got {D}")
     HT = -(-HG // HEAD_TILE)
     HH = -(-HG // HT)
-    NW = max(G * HT, MIN_WARPS)        # warps past G * HT only load (few-row windows)
+    NCW = G * HT                       # consumer warps: (row, head tile)
+    NW = NCW + NPW
     NT = 32 * NW
     NKS = D // 16                      # k-steps of S^T, m-tiles of O^T
     NQF = 2 * NKS                      # Q^T fragment words per lane
     NOA = 4 * NKS                      # O^T accumulators per lane
-    RW = D // 2                        # words per token row
+    RW = row_words(D)                  # words per token row in the ring (padded)
+    ROWB = 2 * D                       # bytes of a token row in the cache
     PW = 4 * RW                        # words per page
     RP = NB * SP                       # ring pages
     OWNMAX = 2 * PC                    # own pages of one piece, at most (the last takes the rest)
     VOFF = RP * PW                     # V region offset (words)
     NCH16 = D // 8                     # 16-byte chunks per token row
-    SWZ = min(8, NCH16) - 1
     IPP = 2 * 4 * NCH16                # 16-byte copies per page (K and V, 4 token rows)
+    IPL = -(-IPP // 32)                # of them per producer lane
+    KSPLIT = (4 * NCH16) % 32 == 0     # a lane's copies of a page: the first 4*NCH16/32 K, the rest V
     UCAP = G * OWNMAX                  # union entries of one piece, at most (launch_grouped's cap)
     # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
-    # load there stalls every warp on long scoreboard), when they fit beside the ring
-    STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS
+    # load there stalls on long scoreboard), when they fit beside the ring
+    STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
                <= SMEM_BLOCK_MAX)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
+    UNB = uint32(NB)
+    NBAR = 2 * NB
     F0, F1 = float32(0), float32(1)
     mma = mma_m16n8k16_bf16 if dtype == "bf16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bf16" else pack_f16x2
-    waits = [cp_async_wait_fn(n) for n in range(NB)]
-    w0, w1, w2, w3, w4, w5 = (waits + [waits[0]] * 6)[:6]
     conv = _out_conv(out_kind)
+    test = mbar_try_wait if sm90 else mbar_test_wait
 
     @device_jit(forceinline=True)
-    def wait_pending(n):
-        if n <= 0:
-            w0()
-        elif n == 1:
-            w1()
-        elif n == 2:
-            w2()
-        elif n == 3:
-            w3()
-        elif n == 4:
-            w4()
-        else:
-            w5()
+    def wait_full(bar, gs):
+        """Until stage ``gs`` of the stream has landed (phase ``gs // NB`` of ``full[gs % NB]``)."""
+        slot = uint32(gs) % UNB
+        par = (uint32(gs) // UNB) & U1
+        while test(bar, slot, par) == int32(0):
+            pass
 
     @device_jit(forceinline=True)
-    def issue(dynr, sb, s, nstream, solo_row, win, piece_, kstart_s, su, wunion, pages, kw, vw, ks0,
-              ks1, vs0, vs1, jk, jv, tid):
-        """cp.async of stage ``s`` (stream pages ``s*SP ..``) into ring buffer ``s % NB``. Per page:
-        items (K/V, token row r, 16-byte chunk c16), chunks fastest (coalesced 512-byte rows). A
-        thread's items are the same on every page, so their offsets are computed once per stage
-        (with D 256 and 8 warps, one item per thread): per page only the page id is read."""
-        stage = sb + uint32(4 * SP * PW) * (uint32(s) % uint32(NB))
-        u0 = int32(s) * int32(SP)
-        nq = min(int32(SP), nstream - u0)
-        for e in range(tid, uint32(IPP), UNT):
-            c16 = e % uint32(NCH16)
-            rest = e // uint32(NCH16)
-            r = rest & U3
-            isv = rest >= U4
-            # the swizzle key's bit 2 is the ring page's parity (= q's: SP is even)
-            row = stage + uint32(4) * r * uint32(RW)
-            d_even = row + U4 * U4 * (c16 ^ (r & uint32(SWZ)))
-            d_odd = row + U4 * U4 * (c16 ^ ((U4 | r) & uint32(SWZ)))
-            st0 = ks0
-            st1 = ks1
-            col = jk + int32(4 * c16) + int32(r) * ks1
-            if isv:
-                d_even += uint32(4 * VOFF)
-                d_odd += uint32(4 * VOFF)
-                st0 = vs0
-                st1 = vs1
-                col = jv + int32(4 * c16) + int32(r) * vs1
-            for q in range(SP):
-                if int32(q) < nq:
-                    u = u0 + int32(q)
-                    pg = int32(0)
-                    sl = int32(0)
-                    if solo_row < int32(0) and STAGE_U:
-                        pg = su[u, 0]
-                        sl = su[u, 1]
-                    elif solo_row < int32(0):
-                        pg = wunion[win, piece_, u, 0]
-                        sl = wunion[win, piece_, u, 1]
-                    else:
-                        pg = pages[solo_row, kstart_s + u, 0]
-                        sl = pages[solo_row, kstart_s + u, 1]
-                    dst = (d_odd if q & 1 else d_even) + uint32(16 * RW * q)
-                    off = int32(pg) * st0 + int32(sl) * st1 + col   # 64-bit: pools past 8 GiB
-                    if isv:
-                        cp_async_16(dynr, dst, vw, off, 16)
-                    else:
-                        cp_async_16(dynr, dst, kw, off, 16)
+    def page_id(u, solo_row, kstart_s, su, wunion, win, piece_, pages):
+        """(physical page, first slot) of stream entry ``u``: the union's, or the solo row's own."""
+        if solo_row < int32(0) and STAGE_U:
+            return su[u, 0], su[u, 1]
+        if solo_row < int32(0):
+            return wunion[win, piece_, u, 0], wunion[win, piece_, u, 1]
+        return pages[solo_row, kstart_s + u, 0], pages[solo_row, kstart_s + u, 1]
+
+    @device_jit(forceinline=True)
+    def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, piece_, pages, kw, vw,
+                ks0, ks1, vs0, vs1, dst, col, pw, lane):
+        """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
+        ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer warp has released the
+        buffer's previous stage; then one arrival of each lane on ``full`` when its copies land.
+        A page is ``IPP`` copies of 16 bytes (K and V, 4 token rows, chunks fastest: coalesced
+        rows); a lane's are at the same offsets on every page (``dst``, ``col``), so per page only
+        its id is read. Word offsets are 64-bit: pools past 8 GiB of words overflow int32."""
+        slot = uint32(gs) % UNB
+        if gs >= int32(NB):
+            par = ((uint32(gs) // UNB) - U1) & U1
+            while test(bar, NB + slot, par) == int32(0):
+                pass
+        stage = sb + uint32(4 * SP * PW) * slot
+        for q in range(SP):
+            if q % NPW == pw and int32(q) < nq:
+                pg, sl = page_id(u0 + int32(q), solo_row, kstart_s, su, wunion, win, piece_, pages)
+                bk = int64(pg) * ks0 + int64(sl) * ks1
+                bv = int64(pg) * vs0 + int64(sl) * vs1
+                page = stage + uint32(16 * RW * q)
+                for i in range(IPL):
+                    e = lane + uint32(32 * i)
+                    if IPP % 32 == 0 or e < uint32(IPP):
+                        isv = i >= IPL // 2 if KSPLIT else e >= uint32(4 * NCH16)
+                        if isv:
+                            cp_async_16(dyn, page + dst[i], vw, bv + col[i], 16)
+                        else:
+                            cp_async_16(dyn, page + dst[i], kw, bk + col[i], 16)
+        cp_async_mbar_arrive(bar, slot)
+
+    @device_jit(forceinline=True)
+    def release(bar, gs, waited, scr, lane):
+        """Release stage ``gs`` (one arrival of this warp on ``empty``), after waiting on its
+        ``full`` phase unless a later stage was waited on (``waited``); returns the new ``waited``."""
+        if gs > waited:
+            wait_full(bar, gs)
+            waited = gs
+        mbar_arrive_warp(bar, NB + uint32(gs) % UNB, scr, lane)
+        return waited
 
     def make_pv(masked):
         """O^T += V^T P^T over the chunk's 16 tokens, V rows ANDed with the token masks when
         ``masked`` (a compile-time choice: the full chunks skip the 64 masking instructions)."""
         @device_jit(forceinline=True)
-        def pv(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, mka, mkb):
+        def pv(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, mka, mkb):
             for mt in range(NKS):
-                a = ldmatrix_x4_trans(dyn, uint32(vbase + uint32(16) * ((uint32(2 * mt) + hiv)
-                                                                        ^ keyv)), scr, lane)
+                a = ldmatrix_x4_trans(dyn, vbase + uint32(16) * hiv + uint32(32 * mt), scr, lane)
                 cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
                 if masked:
                     res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc,
@@ -473,21 +497,21 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     pv_full, pv_masked = make_pv(False), make_pv(True)
 
     @device_jit(forceinline=True)
-    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, scale):
+    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, ubase, scale):
         """One chunk (own pages k0..k0+3): online-softmax update of ``oacc`` and ``ml``."""
         g = lane >> U2
         t = lane & U3
         # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
         tk = (lane & uint32(7)) + uint32(8) * ((lane >> U3) & U1)
         tv = (lane & uint32(7)) + uint32(8) * (lane >> U4)
-        rpk = _ring_row(min(k0 + int32(tk >> U2), k1 - int32(1)) - kstart, solo_phase, sown, RP)
-        rpv = _ring_row(min(k0 + int32(tv >> U2), k1 - int32(1)) - kstart, solo_phase, sown, RP)
+        rpk = _ring_row(min(k0 + int32(tk >> U2), k1 - int32(1)) - kstart, solo_phase, sown, ubase,
+                        RP)
+        rpv = _ring_row(min(k0 + int32(tv >> U2), k1 - int32(1)) - kstart, solo_phase, sown, ubase,
+                        RP)
         rk = tk & U3
         rv = tv & U3
         kbase = uint32(sb + uint32(4 * RW) * (rpk * U4 + rk))
         vbase = uint32(sb + uint32(4 * VOFF) + uint32(4 * RW) * (rpv * U4 + rv))
-        keyk = ((rpk & U1) << U2 | rk) & uint32(SWZ)
-        keyv = ((rpv & U1) << U2 | rv) & uint32(SWZ)
         hik = lane >> U4
         hiv = (lane >> U3) & U1
         sa = (F0, F0, F0, F0)          # four accumulation chains: k-steps 4i, 4i+1, 4i+2, 4i+3
@@ -495,8 +519,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         sc = (F0, F0, F0, F0)
         sd = (F0, F0, F0, F0)
         for ks in range(NKS):
-            a = ldmatrix_x4(dyn, uint32(kbase + uint32(16) * ((uint32(2 * ks) + hik) ^ keyk)), scr,
-                            lane)
+            a = ldmatrix_x4(dyn, kbase + uint32(16) * hik + uint32(32 * ks), scr, lane)
             b = (qf[2 * ks], qf[2 * ks + 1])
             if ks % 4 == 0:
                 sa = mma(a, b, sa, scr, lane)
@@ -549,16 +572,17 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         # chunk that has such a page (a row's last); k0..k0+3 are the same in every lane
         if k0 + int32(3) < k1 - int32(1) or (k0 + int32(3) == k1 - int32(1) and
                                                (k1 < nv or tl == int32(0))):
-            pv_full(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, U0, U0)
+            pv_full(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
             mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
             mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
-            pv_masked(dyn, vbase, hiv, keyv, bq0, bq1, oacc, scr, lane, mka, mkb)
+            pv_masked(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, mka, mkb)
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
-               windows, wunion, wmeta, ownu, nf, scale, out, lse, part_o, part_ml):
+               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml):
         dyn = cuda.shared.array(0, uint32)
+        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
         sown_all = cuda.shared.array((G, OWNMAX), int32)
         su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
@@ -571,6 +595,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         win = uint32(cuda.blockIdx.x)
         piece_ = int32(cuda.blockIdx.y)
         j = uint32(cuda.blockIdx.z)
+        producer = warp >= uint32(NCW)
         wslot = int32(warp // uint32(HT))
         ht = warp % uint32(HT)
         h0 = j * uint32(HG) + ht * uint32(HH)
@@ -578,7 +603,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         first = int32(windows[win, 0])
         cnt = int32(windows[win, 1])
         row = first + wslot
-        live = wslot < cnt
+        live = wslot < cnt and not producer
         nv = int32(0)
         tl = int32(0)
         if live:
@@ -616,56 +641,84 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if STAGE_U:
             for x in range(tid, uint32(2 * nstream0), UNT):
                 su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
+        if tid < uint32(NB):
+            mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
+            mbar_init(bar, tid + UNB, NCW)             # empty: every consumer warp
         cuda.syncthreads()
-        jk = int32(j) * ks2
-        jv = int32(j) * vs2
+
+        # a producer lane's 16-byte copies of a page (the same on every page): item
+        # e = lane + 32 i is (K/V, token row r, 16-byte chunk c16), chunks fastest
+        dst = cuda.local.array(IPL, uint32)
+        col = cuda.local.array(IPL, int64)
+        jk = int64(j) * ks2
+        jv = int64(j) * vs2
+        for i in range(IPL):
+            e = lane + uint32(32 * i)
+            c16 = e % uint32(NCH16)
+            rest = e // uint32(NCH16)
+            r = rest & U3
+            dst[i] = uint32(4) * r * uint32(RW) + U4 * U4 * c16
+            if rest >= U4:
+                dst[i] += uint32(4 * VOFF)
+                col[i] = jv + int64(4 * c16) + int64(r) * vs1
+            else:
+                col[i] = jk + int64(4 * c16) + int64(r) * ks1
+
         nph = int32(1) + int32(cuda.popc(solo))
-        rest = solo
+        rest_ = solo
+        gs0 = int32(0)                 # stages streamed by earlier phases
         for ph in range(nph):
             solo_row = int32(-1)
             sbit = int32(-1)
             nstream = nstream0
             kst = int32(0)
             if ph > 0:
-                sbit = int32(cuda.ffs(rest)) - int32(1)
-                rest &= rest - U1
+                sbit = int32(cuda.ffs(rest_)) - int32(1)
+                rest_ &= rest_ - U1
                 solo_row = first + sbit
                 a0, a1 = _piece_range(int32(num_vpages[solo_row]), piece_, PC)
                 kst = a0
                 nstream = a1 - a0
-            mine = writer and kend > kstart
-            if ph == 0:
-                mine = mine and ((solo >> uint32(wslot)) & U1) == U0
-            else:
-                mine = mine and wslot == sbit
             nst = (nstream + int32(SP - 1)) // int32(SP)
-            for s in range(nf):
-                if s < nst:
-                    issue(dyn, sb, s, nstream, solo_row, win, piece_, kst, su, wunion, pages, kw, vw,
-                          ks0, ks1, vs0, vs1, jk, jv, tid)
-                cp_async_commit()
-            c = kstart
-            for s in range(nst):
-                wait_pending(nf - int32(1))
-                cuda.syncthreads()
-                if s + nf < nst:
-                    issue(dyn, sb, s + nf, nstream, solo_row, win, piece_, kst, su, wunion, pages, kw,
-                          vw, ks0, ks1, vs0, vs1, jk, jv, tid)
-                cp_async_commit()
-                if mine:
-                    lim = (s + int32(1)) * int32(SP)
-                    while c < kend:
-                        kz = min(c + int32(3), kend - int32(1))
-                        uz = kz - kstart
-                        if ph == 0:
-                            uz = sown[kz - kstart]
-                        if uz >= lim:
-                            break
-                        chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown,
-                              scale)
-                        c += int32(4)
-            wait_pending(0)
-            cuda.syncthreads()
+            if producer:
+                pw = int32(warp) - int32(NCW)
+                for s in range(nst):
+                    u0 = int32(s) * int32(SP)
+                    produce(dyn, sb, bar, gs0 + int32(s), u0, min(int32(SP), nstream - u0), solo_row,
+                            kst, su, wunion, win, piece_, pages, kw, vw, ks0, ks1, vs0, vs1, dst, col, pw,
+                            lane)
+            else:
+                mine = writer and kend > kstart
+                if ph == 0:
+                    mine = mine and ((solo >> uint32(wslot)) & U1) == U0
+                else:
+                    mine = mine and wslot == sbit
+                waited = gs0 - int32(1)
+                rel = int32(0)         # this phase's stages released so far
+                c = kstart
+                while mine and c < kend:
+                    ka = c - kstart
+                    kz = min(c + int32(3), kend - int32(1)) - kstart
+                    if ph == 0:
+                        ka = sown[ka]
+                        kz = sown[kz]
+                    lo = ka // int32(SP)       # stages of the chunk's first and last pages
+                    hi = kz // int32(SP)
+                    while rel < lo:
+                        waited = release(bar, gs0 + rel, waited, scr, lane)
+                        rel += int32(1)
+                    if gs0 + hi > waited:
+                        wait_full(bar, gs0 + hi)
+                        waited = gs0 + hi
+                    chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown,
+                          gs0 * int32(SP), scale)
+                    c += int32(4)
+                while rel < nst:
+                    waited = release(bar, gs0 + rel, waited, scr, lane)
+                    rel += int32(1)
+            gs0 += nst
+        if producer:
+            return
 
         lt0 = _col_sum(ml[2], lane, scr)
         lt1 = _col_sum(ml[3], lane, scr)
@@ -712,7 +765,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         else:
                             part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
 
-    kernel.__name__ = f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_{dtype}_{out_kind}"
+    kernel.__name__ = f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_np{NPW}_{dtype}_{out_kind}"
     kernel.__qualname__ = kernel.__name__
     k = jit(kernel, launch_bounds=(NT, 1))   # registers fit one block of NT threads
     k.threads = NT
@@ -812,14 +865,15 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     dtype = dtype or ("bf16" if is_bf16(q) else "f16")
     ok = out_kind or _out_kind_of(out)
     ob = bits16(out)
-    k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok)
+    k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
+                            dev.device_cc() >= (9, 0))
     part_o = buffers("grouped.part_o", (rows if npieces > 1 else 1, hq, npieces, d), np.float32)
     part_ml = buffers("grouped.part_ml", (rows if npieces > 1 else 1, hq, npieces, 2), np.float32)
     i64 = np.int64
     args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][1]),
             i64(kv[1][2]), i64(vv[1][0]), i64(vv[1][1]), i64(vv[1][2]),
-            pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.int32(cfg.prefetch),
-            np.float32(scale), ob, lse, part_o, part_ml)
+            pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
+            part_o, part_ml)
     _launch_dynamic(k, (nwin, npieces, hkv), k.threads, stream, cfg.smem_bytes, args)
     if npieces > 1:
         km = make_merge_kernel(int(d), ok, pc)
@@ -895,17 +949,17 @@ def _resource_cases():
     # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int64, int64, int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
-           "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], int32, float32, float16[:, :, :], "
+           "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
            "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1])")
     for hg in (6, 12):
-        cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
-        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16")
+        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True)
         cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
     # bfloat16 q/K/V, output bfloat16 bits (uint16)
     sig_bf = sig.replace("float16[:, :, :], float32[:, :]", "uint16[:, :, :], float32[:, :]")
     for hg in (6, 12):
-        cfg = GroupedConfig(256, hg, 6, 8, 2, MAX_WARPS // (-(-hg // HEAD_TILE)), 256)
-        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16")
+        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16", sm90=True)
         cases.append((f"grouped_attn_bf16_g{hg}", k, sig_bf, k.threads, cfg.smem_bytes, (9, 0)))
     cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE),
                   "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "

@@ -18,12 +18,22 @@ arithmetic stays 32-bit.
   columns ``2t, 2t+1``) transposed in registers (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+).
 - ``shfl_xor_f32(x, mask, scratch, lane)``: ``x`` of lane ``lane ^ mask``.
 - ``warp_any(pred, scratch, lane)``: whether ``pred`` holds in any lane of the warp (``vote.any``).
+- mbarriers (sm_80+), ``bar`` a shared ``uint64`` array and ``i`` the barrier's index in it:
+  ``mbar_init(bar, i, count)`` (one thread, then a ``syncthreads``); ``mbar_test_wait(bar, i,
+  parity)``: whether the phase of that parity has completed (``mbarrier.test_wait.parity``: the
+  n-th phase, counted from 0, has parity ``n & 1``; loop on it to wait); ``mbar_try_wait`` the same
+  but the thread sleeps until the phase completes or a time limit passes (sm_90, ``try_wait``); ``mbar_arrive_warp(bar, i,
+  scratch, lane)``: one arrival for the whole warp, after every lane got there (``__syncwarp``, then
+  lane 0); ``cp_async_mbar_arrive(bar, i)``: one arrival when this thread's earlier cp.async copies
+  have landed (``cp.async.mbarrier.arrive.noinc``: ``count`` at init includes these arrivals).
 
 Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
 scratch row with the mma module's per-warp barrier, so (as for the mma stand-ins) all 32 lanes of a
 warp call them together and different warps may make different numbers of calls.
 """
 import functools
+import threading
+import time
 
 import numpy as np
 from llvmlite import ir
@@ -35,7 +45,8 @@ from ..jit import SIMULATOR, device_jit
 from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
 __all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4", "ldmatrix_x4_trans",
-           "movmatrix_trans", "shfl_xor_f32", "warp_any"]
+           "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait", "mbar_try_wait", "mbar_arrive_warp",
+           "cp_async_mbar_arrive"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
 # either kind may alternate on one scratch row (see mma._sim_buffer).
@@ -166,6 +177,59 @@ def _gpu_warp_any(pred, scratch, lane):
     return cuda.any_sync(0xFFFFFFFF, pred)
 
 
+def _u64_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.uint64 and ty.ndim == 1
+
+
+def _mbar_asm(name, body, with_value, returns):
+    """An intrinsic ``name(bar, i[, v])`` running the PTX ``body`` with ``a`` the 32-bit shared
+    address of ``bar[i]``, ``$v`` the uint32 operand ``v`` and ``$r`` the int32 result (if
+    ``returns``)."""
+    first = 1 if returns else 0
+    text = body.replace("$r", "$0").replace("$v", f"${first + 1}")
+    text = ("{ .reg .u64 ga; .reg .u32 a; .reg .pred p; .reg .b64 st; "
+            f"cvta.to.shared.u64 ga, ${first}; cvt.u32.u64 a, ga; {text} }}")
+    cons = ",".join((["=r"] if returns else []) + ["l"] + (["r"] if with_value else []) + ["~{memory}"])
+
+    def build(sig, context, builder, args):
+        p = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        ops = [p] + ([context.cast(builder, args[2], sig.args[2], types.uint32)] if with_value else [])
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(i32 if returns else ir.VoidType(), [x.type for x in ops])
+        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ops)
+        return res if returns else context.get_dummy_value()
+
+    ret = types.int32 if returns else types.void
+    if with_value:
+        def typer(typingctx, bar, i, v):
+            if not (_u64_array(bar) and isinstance(i, types.Integer) and isinstance(v, types.Integer)):
+                return None
+            return ret(bar, i, v), lambda c, b, sig, args: build(sig, c, b, args)
+    else:
+        def typer(typingctx, bar, i):
+            if not (_u64_array(bar) and isinstance(i, types.Integer)):
+                return None
+            return ret(bar, i), lambda c, b, sig, args: build(sig, c, b, args)
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+_gpu_mbar_init = _mbar_asm("mbar_init", "mbarrier.init.shared.b64 [a], $v;", True, False)
+_gpu_mbar_test_wait = _mbar_asm("mbar_test_wait", "mbarrier.test_wait.parity.shared.b64 p, [a], $v; "
+                                "selp.u32 $r, 1, 0, p;", True, True)
+_gpu_mbar_try_wait = _mbar_asm("mbar_try_wait", "mbarrier.try_wait.parity.shared.b64 p, [a], $v; "
+                               "selp.u32 $r, 1, 0, p;", True, True)
+_gpu_mbar_arrive = _mbar_asm("mbar_arrive", "mbarrier.arrive.shared.b64 st, [a];", False, False)
+_gpu_cp_async_mbar_arrive = _mbar_asm("cp_async_mbar_arrive",
+                                      "cp.async.mbarrier.arrive.noinc.shared.b64 [a];", False, False)
+
+
+def _gpu_mbar_arrive_warp(bar, i, scratch, lane):
+    cuda.syncwarp()
+    if lane == 0:
+        _gpu_mbar_arrive(bar, i)
+
+
 # ------------------------------------------------------------------------------------------------
 # Simulator stand-ins
 # ------------------------------------------------------------------------------------------------
@@ -245,6 +309,50 @@ def _sim_warp_any(pred, scratch, lane):
     return bool(words.any())
 
 
+# An mbarrier of the simulator: [completed phases, pending arrivals, count] beside the array word
+# (which mirrors the completed phases). Threads of a simulated block are Python
+# threads: a waiting thread polls, yielding the interpreter.
+_MBAR_LOCK = threading.Lock()
+_MBAR = {}
+
+
+def _mbar_key(bar, i):
+    return (np.asarray(bar).__array_interface__["data"][0], int(i))
+
+
+def _sim_mbar_init(bar, i, count):
+    with _MBAR_LOCK:
+        _MBAR[_mbar_key(bar, i)] = [0, int(count), int(count)]
+        bar[i] = np.uint64(0)
+
+
+def _sim_mbar_arrive(bar, i):
+    with _MBAR_LOCK:
+        st = _MBAR[_mbar_key(bar, i)]
+        st[1] -= 1
+        if st[1] == 0:
+            st[0], st[1] = st[0] + 1, st[2]
+            bar[i] = np.uint64(st[0])
+
+
+def _sim_mbar_test_wait(bar, i, parity):
+    with _MBAR_LOCK:
+        done = (_MBAR[_mbar_key(bar, i)][0] & 1) != (int(parity) & 1)
+    if not done:
+        time.sleep(0)
+    return 1 if done else 0
+
+
+def _sim_mbar_arrive_warp(bar, i, scratch, lane):
+    _sim_exchange(scratch, int(lane), [0])        # every lane of the warp got here
+    if int(lane) == 0:
+        _sim_mbar_arrive(bar, i)
+
+
+def _sim_cp_async_mbar_arrive(bar, i):
+    _sim_mbar_arrive(bar, i)                       # the simulator's copies are synchronous
+
+
 cp_async_16 = _pick(_sim_cp_async_16, _gpu_cp_async_16, "16-byte async global->shared copy.")
 shared_base = _pick(_sim_shared_base, _gpu_shared_base,
                     "Shared-window byte address of a shared uint32 array (0 in the simulator).")
@@ -257,6 +365,16 @@ shfl_xor_f32 = (cuda.jit(device=True)(_sim_shfl_xor_f32) if SIMULATOR
                 else device_jit(_gpu_shfl_xor_f32, forceinline=True))
 warp_any = (cuda.jit(device=True)(_sim_warp_any) if SIMULATOR
             else device_jit(_gpu_warp_any, forceinline=True))
+
+mbar_init = _pick(_sim_mbar_init, _gpu_mbar_init, "Initialise mbarrier ``bar[i]`` for ``count`` arrivals.")
+mbar_test_wait = _pick(_sim_mbar_test_wait, _gpu_mbar_test_wait,
+                       "1 if the phase of ``parity`` of mbarrier ``bar[i]`` has completed, else 0.")
+mbar_try_wait = _pick(_sim_mbar_test_wait, _gpu_mbar_try_wait,
+                      "mbar_test_wait that first suspends the thread for a while (sm_90+).")
+cp_async_mbar_arrive = _pick(_sim_cp_async_mbar_arrive, _gpu_cp_async_mbar_arrive,
+                             "Arrive on ``bar[i]`` when this thread's earlier cp.async copies land.")
+mbar_arrive_warp = (cuda.jit(device=True)(_sim_mbar_arrive_warp) if SIMULATOR
+                    else device_jit(_gpu_mbar_arrive_warp, forceinline=True))
 
 
 @functools.lru_cache(maxsize=None)
