@@ -39,7 +39,7 @@ from ..jit import SIMULATOR, device_jit, jit
 from .common import bits16, is_bf16
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
 from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, ldmatrix_x4, ldmatrix_x4_trans,
-                   mbar_arrive_warp, mbar_init, mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32,
+                   mbar_arrive, mbar_init, mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32,
                    warp_any)
 
 __all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
@@ -377,7 +377,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     Warps ``0 .. G*HT-1`` are the rows' (consumers); the last ``producers`` warps only copy. Stage
     ``s`` of the block's stream (every phase's stages in one sequence) goes to ring buffer
     ``s % NB``; ``full[s % NB]`` completes when its copies have landed (each producer lane arrives
-    through ``cp.async.mbarrier.arrive``), ``empty[s % NB]`` when every consumer warp has released it.
+    through ``cp.async.mbarrier.arrive``), ``empty[s % NB]`` when every consumer lane has released it.
     The producer refills a buffer only after its ``empty`` phase; a consumer releases stages in order,
     each after waiting on its ``full`` phase, so no warp waits for another's chunks."""
     D, HG, NB, SP, G, PC = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
@@ -466,13 +466,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         cp_async_mbar_arrive(bar, slot)
 
     @device_jit(forceinline=True)
-    def release(bar, gs, waited, scr, lane):
-        """Release stage ``gs`` (one arrival of this warp on ``empty``), after waiting on its
+    def release(bar, gs, waited):
+        """Release stage ``gs`` (each lane arrives on ``empty`` after its reads), after waiting on its
         ``full`` phase unless a later stage was waited on (``waited``); returns the new ``waited``."""
         if gs > waited:
             wait_full(bar, gs)
             waited = gs
-        mbar_arrive_warp(bar, NB + uint32(gs) % UNB, scr, lane)
+        mbar_arrive(bar, NB + uint32(gs) % UNB)
         return waited
 
     def make_pv(masked):
@@ -643,7 +643,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
         if tid < uint32(NB):
             mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
-            mbar_init(bar, tid + UNB, NCW)             # empty: every consumer warp
+            mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
         cuda.syncthreads()
 
         # a producer lane's 16-byte copies of a page (the same on every page): item
@@ -705,7 +705,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     lo = ka // int32(SP)       # stages of the chunk's first and last pages
                     hi = kz // int32(SP)
                     while rel < lo:
-                        waited = release(bar, gs0 + rel, waited, scr, lane)
+                        waited = release(bar, gs0 + rel, waited)
                         rel += int32(1)
                     if gs0 + hi > waited:
                         wait_full(bar, gs0 + hi)
@@ -714,7 +714,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                           gs0 * int32(SP), scale)
                     c += int32(4)
                 while rel < nst:
-                    waited = release(bar, gs0 + rel, waited, scr, lane)
+                    waited = release(bar, gs0 + rel, waited)
                     rel += int32(1)
             gs0 += nst
         if producer:

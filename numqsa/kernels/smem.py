@@ -22,9 +22,8 @@ arithmetic stays 32-bit.
   ``mbar_init(bar, i, count)`` (one thread, then a ``syncthreads``); ``mbar_test_wait(bar, i,
   parity)``: whether the phase of that parity has completed (``mbarrier.test_wait.parity``: the
   n-th phase, counted from 0, has parity ``n & 1``; loop on it to wait); ``mbar_try_wait`` the same
-  but the thread sleeps until the phase completes or a time limit passes (sm_90, ``try_wait``); ``mbar_arrive_warp(bar, i,
-  scratch, lane)``: one arrival for the whole warp, after every lane got there (``__syncwarp``, then
-  lane 0); ``cp_async_mbar_arrive(bar, i)``: one arrival when this thread's earlier cp.async copies
+  but the thread sleeps until the phase completes or a time limit passes (sm_90, ``try_wait``); ``mbar_arrive(bar, i)``: this
+  thread's arrival (release: its earlier shared-memory reads and writes come first); ``cp_async_mbar_arrive(bar, i)``: one arrival when this thread's earlier cp.async copies
   have landed (``cp.async.mbarrier.arrive.noinc``: ``count`` at init includes these arrivals).
 
 Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
@@ -45,7 +44,7 @@ from ..jit import SIMULATOR, device_jit
 from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
 __all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4", "ldmatrix_x4_trans",
-           "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait", "mbar_try_wait", "mbar_arrive_warp",
+           "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait", "mbar_try_wait", "mbar_arrive",
            "cp_async_mbar_arrive"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
@@ -224,12 +223,6 @@ _gpu_cp_async_mbar_arrive = _mbar_asm("cp_async_mbar_arrive",
                                       "cp.async.mbarrier.arrive.noinc.shared.b64 [a];", False, False)
 
 
-def _gpu_mbar_arrive_warp(bar, i, scratch, lane):
-    cuda.syncwarp()
-    if lane == 0:
-        _gpu_mbar_arrive(bar, i)
-
-
 # ------------------------------------------------------------------------------------------------
 # Simulator stand-ins
 # ------------------------------------------------------------------------------------------------
@@ -343,12 +336,6 @@ def _sim_mbar_test_wait(bar, i, parity):
     return 1 if done else 0
 
 
-def _sim_mbar_arrive_warp(bar, i, scratch, lane):
-    _sim_exchange(scratch, int(lane), [0])        # every lane of the warp got here
-    if int(lane) == 0:
-        _sim_mbar_arrive(bar, i)
-
-
 def _sim_cp_async_mbar_arrive(bar, i):
     _sim_mbar_arrive(bar, i)                       # the simulator's copies are synchronous
 
@@ -373,8 +360,7 @@ mbar_try_wait = _pick(_sim_mbar_test_wait, _gpu_mbar_try_wait,
                       "mbar_test_wait that first suspends the thread for a while (sm_90+).")
 cp_async_mbar_arrive = _pick(_sim_cp_async_mbar_arrive, _gpu_cp_async_mbar_arrive,
                              "Arrive on ``bar[i]`` when this thread's earlier cp.async copies land.")
-mbar_arrive_warp = (cuda.jit(device=True)(_sim_mbar_arrive_warp) if SIMULATOR
-                    else device_jit(_gpu_mbar_arrive_warp, forceinline=True))
+mbar_arrive = _pick(_sim_mbar_arrive, _gpu_mbar_arrive, "This thread's arrival on mbarrier ``bar[i]``.")
 
 
 @functools.lru_cache(maxsize=None)
