@@ -8,15 +8,16 @@ into virtual pages ``(physical page, first slot)`` in logical order, the partial
    remainder: ``max(1, nv // PIECE)`` pieces). For each (window, piece) the kernel builds the union of
    the rows' pages of that piece, ordered by (request run, logical group) through a bitmap of the
    logical groups in shared memory, and for every own page its index in that union. A row whose
-   chunk of 4 own pages would spread over more union stages than the attention kernel keeps resident
+   chunk of 4 own pages would spread over more union stages than the attention kernel's ring holds
    is marked *solo* for that piece.
-2. **attention** (:func:`make_grouped_kernel`): one block per (window, piece, KV head); warp
-   ``w`` = (row ``w // HT``, head tile ``w % HT``). The block streams the union through a ring of
-   ``NB`` shared-memory stages of ``SP`` pages with ``cp.async`` (``NF`` stages in flight, the other
-   ``NB - NF`` kept readable); after each stage lands, every warp consumes the chunks of its own
-   pages whose last page is resident: ``S^T = K Q^T`` (K fragments by ``ldmatrix``), online softmax
-   per chunk, ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``, P^T by ``movmatrix``). Solo rows
-   are then streamed one at a time with their own pages only.
+2. **attention** (:func:`make_grouped_kernel`): one block per (window, piece, KV head): warp
+   ``w < G * HT`` = (row ``w // HT``, head tile ``w % HT``), then ``producers`` copy warps. The
+   producers stream the union through a ring of ``NB`` shared-memory stages of ``SP`` pages with
+   ``cp.async``; per stage a ``full`` mbarrier (landed) and an ``empty`` one (released by every
+   row's warp). A row's warp, per chunk of its own pages, releases the stages before the chunk,
+   waits on the stage holding its last page and consumes it: ``S^T = K Q^T`` (K fragments by
+   ``ldmatrix``), online softmax per chunk, ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``,
+   P^T by ``movmatrix``). Solo rows are then streamed one at a time with their own pages only.
 3. **merge** (:func:`make_merge_kernel`): rows with several pieces combine them in piece order.
 
 Invariance: a row's arithmetic depends only on its own selection: chunks are its own pages
@@ -25,8 +26,8 @@ Which rows share its window, how the union is staged, whether it runs solo, the 
 the batch never change which numbers are added in which order; they only change where the operands
 are loaded from.
 
-Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * D * 2`` bytes of dynamic memory (D 256, NB 6, SP 8:
-192 KB), rows of 16-byte chunks XOR-swizzled by ``(ring page & 1) * 4 + token`` against bank conflicts.
+Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * (D * 2 + 16)`` bytes of dynamic memory (D 256, NB 6,
+SP 8: 198 KB): token rows padded by 16 bytes against bank conflicts (:func:`row_words`).
 """
 import functools
 import math
