@@ -332,13 +332,14 @@ def _page_len(k, k1, nv, tl):
 
 
 @device_jit(forceinline=True)
-def _ring_row(x, solo_phase, sown, ubase, rp_count):
+def _ring_row(x, solo_phase, sown, obase, ubase, rp_count):
     """Ring page holding the piece's own page ``x``: its stream index (union index, or ``x`` itself
-    when solo) past the ``ubase`` pages streamed by earlier phases, modulo the ring."""
+    when solo) past the ``ubase`` pages streamed by earlier phases, modulo the ring. ``sown`` is
+    the block's flat table of own pages' union indices, this row's from ``obase``."""
     u = x
     if not solo_phase:
-        u = sown[x]
-    return (uint32(ubase) + uint32(u)) % uint32(rp_count)
+        u = sown[uint32(obase + uint32(x))]
+    return uint32(uint32(ubase) + uint32(u)) % uint32(rp_count)   # 32-bit: numba widens sums
 
 
 @device_jit(forceinline=True)
@@ -449,21 +450,23 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             par = ((uint32(gs) // UNB) - U1) & U1
             while test(bar, NB + slot, par) == int32(0):
                 pass
-        stage = sb + uint32(4 * SP * PW) * slot
-        for q in range(SP):
-            if q % NPW == pw and int32(q) < nq:
-                pg, sl = page_id(u0 + int32(q), solo_row, kstart_s, su, wunion, win, piece_, pages)
-                bk = int64(pg) * ks0 + int64(sl) * ks1
-                bv = int64(pg) * vs0 + int64(sl) * vs1
-                page = stage + uint32(16 * RW * q)
-                for i in range(IPL):
-                    e = lane + uint32(32 * i)
-                    if IPP % 32 == 0 or e < uint32(IPP):
-                        isv = i >= IPL // 2 if KSPLIT else e >= uint32(4 * NCH16)
-                        if isv:
-                            cp_async_16(dyn, page + dst[i], vw, bv + col[i], 16)
-                        else:
-                            cp_async_16(dyn, page + dst[i], kw, bk + col[i], 16)
+        stage = uint32(sb + uint32(4 * SP * PW) * slot)
+        q = pw
+        while q < nq:
+            pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, piece_, pages)
+            # 32 x 32 -> 64-bit products (the host checks the word strides fit int32)
+            bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(int32(ks1))
+            bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(int32(vs1))
+            page = uint32(stage + uint32(16 * RW) * uint32(q))
+            q = int32(q + int32(NPW))
+            for i in range(IPL):
+                e = lane + uint32(32 * i)
+                if IPP % 32 == 0 or e < uint32(IPP):
+                    isv = i >= IPL // 2 if KSPLIT else e >= uint32(4 * NCH16)
+                    if isv:
+                        cp_async_16(dyn, uint32(page + dst[i]), vw, bv + col[i], 16)
+                    else:
+                        cp_async_16(dyn, uint32(page + dst[i]), kw, bk + col[i], 16)
         cp_async_mbar_arrive(bar, slot)
 
     @device_jit(forceinline=True)
@@ -473,7 +476,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if gs > waited:
             wait_full(bar, gs)
             waited = gs
-        mbar_arrive(bar, NB + uint32(gs) % UNB)
+        mbar_arrive(bar, uint32(NB) + uint32(gs) % UNB)
         return waited
 
     def make_pv(masked):
@@ -498,17 +501,21 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     pv_full, pv_masked = make_pv(False), make_pv(True)
 
     @device_jit(forceinline=True)
-    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, ubase, scale):
+    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, obase, ubase,
+              scale):
         """One chunk (own pages k0..k0+3): online-softmax update of ``oacc`` and ``ml``."""
         g = lane >> U2
         t = lane & U3
         # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
-        tk = (lane & uint32(7)) + uint32(8) * ((lane >> U3) & U1)
-        tv = (lane & uint32(7)) + uint32(8) * (lane >> U4)
-        rpk = _ring_row(min(k0 + int32(tk >> U2), k1 - int32(1)) - kstart, solo_phase, sown, ubase,
-                        RP)
-        rpv = _ring_row(min(k0 + int32(tv >> U2), k1 - int32(1)) - kstart, solo_phase, sown, ubase,
-                        RP)
+        tk = uint32((lane & uint32(7)) + uint32(8) * ((lane >> U3) & U1))
+        tv = uint32((lane & uint32(7)) + uint32(8) * (lane >> U4))
+        # (int32(...) around each sum: numba types int32 + int32 as int64, and 64-bit index
+        # arithmetic was a fifth of the chunk's instructions in session 8's SASS profile)
+        kl = int32(k1 - int32(1))
+        rpk = _ring_row(int32(min(int32(k0 + int32(tk >> U2)), kl) - kstart), solo_phase, sown, obase,
+                        ubase, RP)
+        rpv = _ring_row(int32(min(int32(k0 + int32(tv >> U2)), kl) - kstart), solo_phase, sown, obase,
+                        ubase, RP)
         rk = tk & U3
         rv = tv & U3
         kbase = uint32(sb + uint32(4 * RW) * (rpk * U4 + rk))
@@ -532,8 +539,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 sd = mma(a, b, sd, scr, lane)
         sa = ((sa[0] + sb[0]) + (sc[0] + sd[0]), (sa[1] + sb[1]) + (sc[1] + sd[1]),
               (sa[2] + sb[2]) + (sc[2] + sd[2]), (sa[3] + sb[3]) + (sc[3] + sd[3]))
-        la = _page_len(k0 + int32(g >> U2), k1, nv, tl)
-        lb = _page_len(k0 + int32(2) + int32(g >> U2), k1, nv, tl)
+        la = _page_len(int32(k0 + int32(g >> U2)), k1, nv, tl)
+        lb = _page_len(int32(k0 + int32(2 + (g >> U2))), k1, nv, tl)
         tg = int32(g & U3)
         s0 = NEG_INF
         s1 = NEG_INF
@@ -571,13 +578,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 oacc[4 * x + 3] *= al1
         # V rows past a partial page's tokens must not reach O (0 * NaN): masked, but only in the
         # chunk that has such a page (a row's last); k0..k0+3 are the same in every lane
-        if k0 + int32(3) < k1 - int32(1) or (k0 + int32(3) == k1 - int32(1) and
-                                               (k1 < nv or tl == int32(0))):
+        k3 = int32(k0 + int32(3))
+        if k3 < kl or (k3 == kl and (k1 < nv or tl == int32(0))):
             pv_full(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
-            mka = _mask2(o2, _page_len(k0 + int32(t >> U1), k1, nv, tl))
-            mkb = _mask2(o2, _page_len(k0 + int32(2) + int32(t >> U1), k1, nv, tl))
+            mka = _mask2(o2, _page_len(int32(k0 + int32(t >> U1)), k1, nv, tl))
+            mkb = _mask2(o2, _page_len(int32(k0 + int32(2 + (t >> U1))), k1, nv, tl))
             pv_masked(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, mka, mkb)
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
@@ -585,7 +592,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         dyn = cuda.shared.array(0, uint32)
         bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
-        sown_all = cuda.shared.array((G, OWNMAX), int32)
+        sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
         su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
         tid = uint32(cuda.threadIdx.x)
         warp = tid >> uint32(5)
@@ -635,10 +642,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         ml[3] = F0
 
         sb = shared_base(dyn)
-        sown = sown_all[min(wslot, int32(G - 1))]
+        obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
         if writer and ht == U0:
             for x in range(kstart + int32(lane), kend, int32(32)):
-                sown[x - kstart] = ownu[row, x]
+                sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
         if STAGE_U:
             for x in range(tid, uint32(2 * nstream0), UNT):
                 su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
@@ -682,42 +689,47 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 nstream = a1 - a0
             nst = (nstream + int32(SP - 1)) // int32(SP)
             if producer:
-                pw = int32(warp) - int32(NCW)
-                for s in range(nst):
-                    u0 = int32(s) * int32(SP)
-                    produce(dyn, sb, bar, gs0 + int32(s), u0, min(int32(SP), nstream - u0), solo_row,
-                            kst, su, wunion, win, piece_, pages, kw, vw, ks0, ks1, vs0, vs1, dst, col, pw,
-                            lane)
+                pw = int32(int32(warp) - int32(NCW))
+                s = int32(0)
+                while s < nst:
+                    u0 = int32(s * int32(SP))
+                    produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
+                            solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, ks1, vs0, vs1, dst,
+                            col, pw, lane)
+                    s = int32(s + int32(1))
             else:
                 mine = writer and kend > kstart
                 if ph == 0:
                     mine = mine and ((solo >> uint32(wslot)) & U1) == U0
                 else:
                     mine = mine and wslot == sbit
-                waited = gs0 - int32(1)
-                rel = int32(0)         # this phase's stages released so far
+                waited = int32(gs0 - int32(1))
+                rel = gs0              # the next stage to release
                 c = kstart
+                kl = int32(kend - int32(1))
                 while mine and c < kend:
-                    ka = c - kstart
-                    kz = min(c + int32(3), kend - int32(1)) - kstart
+                    ka = int32(c - kstart)
+                    kz = int32(min(int32(c + int32(3)), kl) - kstart)
                     if ph == 0:
-                        ka = sown[ka]
-                        kz = sown[kz]
-                    lo = ka // int32(SP)       # stages of the chunk's first and last pages
-                    hi = kz // int32(SP)
+                        ka = sown[uint32(obase + uint32(ka))]
+                        kz = sown[uint32(obase + uint32(kz))]
+                    # stages of the chunk's first and last pages
+                    lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
+                    hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
                     while rel < lo:
-                        waited = release(bar, gs0 + rel, waited)
-                        rel += int32(1)
-                    if gs0 + hi > waited:
-                        wait_full(bar, gs0 + hi)
-                        waited = gs0 + hi
-                    chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown,
-                          gs0 * int32(SP), scale)
-                    c += int32(4)
-                while rel < nst:
-                    waited = release(bar, gs0 + rel, waited)
-                    rel += int32(1)
-            gs0 += nst
+                        waited = release(bar, rel, waited)
+                        rel = int32(rel + int32(1))
+                    if hi > waited:
+                        wait_full(bar, hi)
+                        waited = hi
+                    chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown, obase,
+                          int32(gs0 * int32(SP)), scale)
+                    c = int32(c + int32(4))
+                end = int32(gs0 + nst)
+                while rel < end:
+                    waited = release(bar, rel, waited)
+                    rel = int32(rel + int32(1))
+            gs0 = int32(gs0 + nst)
         if producer:
             return
 
@@ -863,6 +875,8 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     qv = words_view(q, align=4)
     if kv is None or vv is None or qv is None:
         raise ValueError("grouped route needs K/V/q with a contiguous, aligned D axis")
+    if max(int(x) for x in (*kv[1], *vv[1])) >= 2 ** 31:
+        raise ValueError("grouped route needs K/V strides below 2**31 words (page * stride stays 64-bit)")
     dtype = dtype or ("bf16" if is_bf16(q) else "f16")
     ok = out_kind or _out_kind_of(out)
     ob = bits16(out)
