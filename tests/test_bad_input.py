@@ -1,5 +1,5 @@
-"""The README's table of input mistakes, one test per row (simulator): a clear QSAInputError before
-any launch, or a documented result that the oracle agrees with."""
+"""The table of input mistakes (docs/usage.md, "Data model"), one test per row (simulator): a clear
+QSAInputError before any launch, or a documented result that the oracle agrees with."""
 import numpy as np
 import pytest
 from numba import cuda
@@ -187,7 +187,7 @@ def test_cuda_void16_refused(prob, launches):
     assert launches == []
 
 
-# -- issue 26 point 7: the rest of the README's table --------------------------------------------
+# -- issue 26 point 7: the rest of docs/usage.md's table --------------------------------------------
 @pytest.mark.parametrize("name, dtype", [("q", np.float64), ("k_cache", np.int8), ("qi", np.float64),
                                          ("index_cache", np.int8)])
 def test_data_dtype_refused(prob, launches, name, dtype):
