@@ -116,6 +116,27 @@ def test_grouped_row_invariance(rng):
         np.testing.assert_array_equal(l2, lse[sub])
 
 
+def test_grouped_launch_shape_invariance(rng, monkeypatch):
+    """The launch shape never changes a row's bits: ring depth (a chunk spread over every stage, or
+    rows run solo), copy warps sharing a stage (1 or 2 producers) and window size (1 or 2 rows) only
+    change where operands are loaded from and who waits on which mbarrier."""
+    p = small_problem(rng, [160], [3], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=16, mode="random")
+    orig = grouped.grouped_config
+    results = []
+    for stages, producers, g in ((2, 2, 2), (3, 1, 1)):
+        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _s=stages, _p=producers, _g=g):
+            base = orig(d, hg, rows, kb1, hkv, profile, single)
+            return grouped.GroupedConfig(d, hg, _s, base.stage_pages, 1 if single else _g,
+                                         base.plan_threads, piece=base.piece, producers=_p)
+        monkeypatch.setattr(grouped, "grouped_config", cfg)
+        results.append(run_attention(p, tokens, counts, "page4"))
+    check(p, tokens, counts, *results[0])
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv", [(3, 1), (6, 1), (12, 1), (24, 2)])
 def test_gpu_grouped_geometries(hq, hkv, seed):
