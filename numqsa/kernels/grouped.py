@@ -395,7 +395,6 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NQF = 2 * NKS                      # Q^T fragment words per lane
     NOA = 4 * NKS                      # O^T accumulators per lane
     RW = row_words(D)                  # words per token row in the ring (padded)
-    ROWB = 2 * D                       # bytes of a token row in the cache
     PW = 4 * RW                        # words per page
     RP = NB * SP                       # ring pages
     OWNMAX = 2 * PC                    # own pages of one piece, at most (the last takes the rest)

@@ -22,9 +22,11 @@ arithmetic stays 32-bit.
   ``mbar_init(bar, i, count)`` (one thread, then a ``syncthreads``); ``mbar_test_wait(bar, i,
   parity)``: whether the phase of that parity has completed (``mbarrier.test_wait.parity``: the
   n-th phase, counted from 0, has parity ``n & 1``; loop on it to wait); ``mbar_try_wait`` the same
-  but the thread sleeps until the phase completes or a time limit passes (sm_90, ``try_wait``); ``mbar_arrive(bar, i)``: this
-  thread's arrival (release: its earlier shared-memory reads and writes come first); ``cp_async_mbar_arrive(bar, i)``: one arrival when this thread's earlier cp.async copies
-  have landed (``cp.async.mbarrier.arrive.noinc``: ``count`` at init includes these arrivals).
+  but the thread sleeps until the phase completes or a time limit passes (sm_90, ``try_wait``);
+  ``mbar_arrive(bar, i)``: this thread's arrival (release: its earlier shared-memory reads and
+  writes come first); ``cp_async_mbar_arrive(bar, i)``: one arrival when this thread's earlier
+  cp.async copies have landed (``cp.async.mbarrier.arrive.noinc``: ``count`` at init includes
+  these arrivals).
 
 Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
 scratch row with the mma module's per-warp barrier, so (as for the mma stand-ins) all 32 lanes of a
@@ -43,9 +45,9 @@ from numba.cuda.extending import intrinsic
 from ..jit import SIMULATOR, device_jit
 from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
-__all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4", "ldmatrix_x4_trans",
-           "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait", "mbar_try_wait", "mbar_arrive",
-           "cp_async_mbar_arrive"]
+__all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4",
+           "ldmatrix_x4_trans", "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait",
+           "mbar_try_wait", "mbar_arrive", "cp_async_mbar_arrive"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
 # either kind may alternate on one scratch row (see mma._sim_buffer).
@@ -303,8 +305,8 @@ def _sim_warp_any(pred, scratch, lane):
 
 
 # An mbarrier of the simulator: [completed phases, pending arrivals, count] beside the array word
-# (which mirrors the completed phases). Threads of a simulated block are Python
-# threads: a waiting thread polls, yielding the interpreter.
+# (which mirrors the completed phases). Threads of a simulated block are Python threads: a waiting
+# thread polls, yielding the interpreter.
 _MBAR_LOCK = threading.Lock()
 _MBAR = {}
 
