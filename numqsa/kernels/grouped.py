@@ -105,7 +105,7 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
     if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        return GroupedConfig(d, hg, 2, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=2)
+        return GroupedConfig(d, hg, 2, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=1)
     pieces = pieces_of(kb1, PIECE)
     producers = TUNING.get("np", PRODUCERS)
     g = window_rows(hg, producers)

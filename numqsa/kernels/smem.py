@@ -34,7 +34,6 @@ warp call them together and different warps may make different numbers of calls.
 """
 import functools
 import threading
-import time
 
 import numpy as np
 from llvmlite import ir
@@ -305,9 +304,9 @@ def _sim_warp_any(pred, scratch, lane):
 
 
 # An mbarrier of the simulator: [completed phases, pending arrivals, count] beside the array word
-# (which mirrors the completed phases). Threads of a simulated block are Python threads: a waiting
-# thread polls, yielding the interpreter.
-_MBAR_LOCK = threading.Lock()
+# (which mirrors the completed phases). Threads of a simulated block are Python threads: a thread
+# whose phase has not completed sleeps until an arrival (or 10 ms) instead of spinning on the GIL.
+_MBAR_LOCK = threading.Condition()
 _MBAR = {}
 
 
@@ -328,13 +327,16 @@ def _sim_mbar_arrive(bar, i):
         if st[1] == 0:
             st[0], st[1] = st[0] + 1, st[2]
             bar[i] = np.uint64(st[0])
+            _MBAR_LOCK.notify_all()
 
 
 def _sim_mbar_test_wait(bar, i, parity):
     with _MBAR_LOCK:
-        done = (_MBAR[_mbar_key(bar, i)][0] & 1) != (int(parity) & 1)
-    if not done:
-        time.sleep(0)
+        st = _MBAR[_mbar_key(bar, i)]
+        done = (st[0] & 1) != (int(parity) & 1)
+        if not done:
+            _MBAR_LOCK.wait(0.01)
+            done = (st[0] & 1) != (int(parity) & 1)
     return 1 if done else 0
 
 
