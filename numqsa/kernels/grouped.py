@@ -100,7 +100,7 @@ TUNING = {}
 
 
 def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
-    """Choose the window size: windows of ``MAX_WARPS // HT`` rows share their loads; few rows get
+    """Choose the window size: windows of :func:`window_rows` rows share their loads; few rows get
     narrower windows (more blocks) down to single rows.
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
@@ -439,7 +439,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, piece_, pages, kw, vw,
                 ks0, ks1, vs0, vs1, dst, col, pw, lane):
         """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
-        ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer warp has released the
+        ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer lane has released the
         buffer's previous stage; then one arrival of each lane on ``full`` when its copies land.
         A page is ``IPP`` copies of 16 bytes (K and V, 4 token rows, chunks fastest: coalesced
         rows); a lane's are at the same offsets on every page (``dst``, ``col``), so per page only
