@@ -112,7 +112,7 @@ def summary(doc):
 
 
 def _replace(path, body, src):
-    """``path``'s text with ``body`` between the markers."""
+    """(``path``'s text, that text with ``body`` between the markers)."""
     text = open(path).read()
     if BEGIN not in text or END not in text:
         sys.exit(f"{path} has no {BEGIN} ... {END} markers")
