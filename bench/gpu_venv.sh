@@ -47,6 +47,11 @@ PY
         "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --no-deps "$whl" || return 1
         echo "gpu_venv: installed numqsa into $venv (NVVM and CCCL from the image's CUDA 13 toolkit)"
     fi
+    # pytest-xdist, for the GPU tier's processes (tests/conftest.py), where .whl/ holds it
+    if ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip install -q --no-index --no-cache-dir --find-links "$root/.whl" \
+            pytest-xdist || return 1
+    fi
     "$venv/bin/python" -m pip list --path "$site" 2>/dev/null | tail -n +3 | tr -s ' ' | paste -sd ' ' |
         sed 's/^/gpu_venv: in the venv itself: /'
     mkdir -p "$NUMQSA_RUN"

@@ -7,7 +7,9 @@ skipped. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` i
 Seeds: each test gets a generator seeded from the session seed (``NUMQSA_SEED``, random by default,
 printed in the header) and the test's id, so a failure can be replayed exactly.
 """
+import fcntl
 import os
+import tempfile
 import zlib
 
 import numpy as np
@@ -23,24 +25,38 @@ SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 SESSION_SEED = int(os.environ.get("NUMQSA_SEED", np.random.SeedSequence().entropy % (1 << 32)))
 
 
+#: Processes of the GPU tier: its tests spend most of their time compiling and in the float64
+#: oracle on the host, so a few processes share the one device (each holds a CUDA context).
+GPU_WORKERS = 4
+
+
 def pytest_configure(config):
-    # pytest-xdist workers are new processes: they take the session's seed from the environment
+    # pytest-xdist workers are new processes: they take the session's seed and the device lock's
+    # path from the environment
     os.environ["NUMQSA_SEED"] = str(SESSION_SEED)
-    _spread_over_cpus(config)
+    if not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="numqsa-device-", suffix=".lock")
+        os.close(fd)
+        os.environ["NUMQSA_DEVICE_LOCK"] = path
+        config.add_cleanup(lambda: os.path.exists(path) and os.unlink(path))
+    _spread(config)
 
 
-def _spread_over_cpus(config):
-    """The simulator runs kernels in pure Python, one core per process: with pytest-xdist installed
-    (the ``[test]`` extra) and no ``-n`` given, the tests are spread over every CPU (``-n 0``: one
-    process). Never on a GPU, where the tier shares one device."""
+def _spread(config):
+    """With pytest-xdist installed (the ``[test]`` extra) and no ``-n`` given, the tests are spread
+    over processes (``-n 0``: one process): in the simulator, which runs kernels in pure Python on
+    one core per process, one per CPU; on a GPU, :data:`GPU_WORKERS`, sharing the device (tests that
+    read device-wide state take it alone: :func:`_device_lock`)."""
     opt = config.option
-    if (not SIMULATOR or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist")
+    if (hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist")
             or getattr(opt, "numprocesses", None) is not None or opt.dist != "no"
             or opt.collectonly or opt.usepdb):
         return
     n = os.cpu_count() or 1
+    if not SIMULATOR:
+        n = min(n, GPU_WORKERS)
     if n > 1:
-        opt.numprocesses, opt.dist, opt.tx = n, "load", ["popen"] * n
+        opt.numprocesses, opt.dist, opt.tx = n, "worksteal", ["popen"] * n
 
 
 def pytest_report_header(config):
@@ -83,6 +99,23 @@ def pytest_collection_finish(session):
         import torch  # noqa: F401
     except ImportError as err:
         raise pytest.UsageError(f"the GPU tier needs torch (a build for the installed CUDA toolchain; see README): {err}")
+
+
+@pytest.fixture(autouse=True)
+def _device_lock(request):
+    """GPU tests spread over processes share the device: each holds a shared lock on it for its
+    run, a test marked ``device_alone`` (one that reads device-wide state, such as free memory) an
+    exclusive one, so that no other process launches or allocates meanwhile."""
+    path = os.environ.get("NUMQSA_DEVICE_LOCK")
+    if SIMULATOR or "gpu" not in request.keywords or not path or not os.path.exists(path):
+        yield
+        return
+    with open(path) as f:
+        fcntl.flock(f, fcntl.LOCK_EX if "device_alone" in request.keywords else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture

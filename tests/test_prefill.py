@@ -113,6 +113,7 @@ def test_gpu_foreign_arrays_bitwise(seed, peer):
 
 
 @pytest.mark.gpu
+@pytest.mark.device_alone
 def test_gpu_workspace_allocates_nothing(seed, monkeypatch):
     from numba import cuda
     from numba.cuda.cudadrv import driver
