@@ -109,7 +109,7 @@ def main():
         tok, cnt = cuda.to_device(w["tokens"]), cuda.to_device(w["counts"])
         out = cuda.device_array(p["q"].shape, np.float16)
         lse = cuda.device_array(p["q"].shape[:2], np.float32)
-        plan = numqsa.attention.route(rows, 64)
+        plan = numqsa.stages.attention.route(rows, 64)
 
         def run(route=None):
             numqsa.sparse_attention(dev["q"], dev["k_cache"], dev["v_cache"], dev["block_table"],

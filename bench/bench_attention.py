@@ -196,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only 4096 x 32K")
     ap.add_argument("--only", help="run the cases whose name contains this (e.g. _p784)")
     args = ap.parse_args(argv)
-    from numqsa.attention import route as plan_route
+    from numqsa.stages.attention import route as plan_route
     t_start = time.time()
     gr = plan_route(4096, 64).profile.attention.group_rows
     env = environment()

@@ -51,7 +51,7 @@ def main():
     import torch
     import numqsa
     import oracle
-    from numqsa.selection import SELECT_SCORE_BYTES, select_chunk_rows
+    from numqsa.stages.selection import SELECT_SCORE_BYTES, select_chunk_rows
     from numqsa.testing import assert_matches_oracle, assert_selection_matches
 
     rows, ctx, page, r, Kb = args.rows, args.context, 64, 4, 512

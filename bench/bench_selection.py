@@ -200,7 +200,7 @@ def main():
     if args.variants:
         return variants(args)
 
-    from numqsa import selection as sel
+    import numqsa
     from numqsa.kernels import expand as KE, index_scores as KS, topk as KT
 
     prof, stream, timer, t_start = _setup(args)
@@ -243,7 +243,7 @@ def main():
         results.append(c.line("chain.kernels", ms, c.flop, chain_bytes))
         out = (tokens, counts, groups)
         ws = sc.reshape(-1)
-        ms = timer(lambda: sel.select(*a, Kb=KB, out=out, stream=stream, workspace=ws,
+        ms = timer(lambda: numqsa.select(*a, Kb=KB, out=out, stream=stream, workspace=ws,
                                       num_groups=c.G))
         chain_ref = f"  (TRT-LLM sum {sum(c.trt.values()):.2f} ms)" if c.trt else ""
         results.append(c.line("select.api", ms, c.flop, chain_bytes,

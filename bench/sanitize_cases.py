@@ -27,7 +27,7 @@ from numba import cuda  # noqa: E402
 
 import numqsa  # noqa: E402
 import oracle  # noqa: E402
-from numqsa import selection as sel  # noqa: E402
+from numqsa.stages import selection as sel  # noqa: E402
 from numqsa.kernels import index_scores as k_scores  # noqa: E402
 from numqsa.kernels import topk as k_topk  # noqa: E402
 from numqsa.plan import arch_profile  # noqa: E402
@@ -127,7 +127,7 @@ def run(arch, routes, quick, seed=7):
         # expansion and the fused selection
         out = tuple(poison(cuda.device_array(sh, np.int32))
                     for sh in ((own.shape[0], kb * R + R - 1), (own.shape[0],), (own.shape[0], kb)))
-        tokens, counts, groups = sel.select(*d, Kb=kb, out=out)
+        tokens, counts, groups = numqsa.select(*d, Kb=kb, out=out)
         assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(),
                                  counts.copy_to_host(), ref_s, *batch, Kb=kb)
         ok(f"{name} select (scores, top-k, expand)")

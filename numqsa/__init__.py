@@ -6,6 +6,13 @@ device arrays and PyTorch/CuPy CUDA tensors are used in place. :class:`QSAPrefil
 batch once and runs each layer with prepared launches; :func:`qsa_prefill`, :func:`select` and
 :func:`sparse_attention` are thin layers over it. By default (``validate=None``) no call on device
 arrays reads them back, so none waits for the GPU.
+
+Layers, each importing only those below it (``tests/test_layers.py`` checks): :mod:`numqsa.api`
+(the functional calls) -> :mod:`numqsa.wrapper` (plan once, run per layer) -> :mod:`numqsa.stages`
+(each stage's launcher: checks, route, launches; the single-stage public functions are these) ->
+:mod:`numqsa.kernels` (kernel factories and their launches) -> :mod:`numqsa.plan`,
+:mod:`numqsa.device` (array interop), :mod:`numqsa.launch` (prepared launches), :mod:`numqsa.jit`,
+:mod:`numqsa.toolchain`; :mod:`oracle` beside them.
 """
 import ctypes as _ctypes
 import os as _os
@@ -34,11 +41,12 @@ _choose_backend()
 
 from oracle.validate import QSAInputError  # noqa: E402
 
-from .attention import page4_attention, page4_plan, sparse_attention  # noqa: E402
-from .prefill import Workspace, qsa_prefill  # noqa: E402
-from .metadata import rows_from_query_start_loc, tables_from_paged_indptr  # noqa: E402
-from .wrapper import QSAPrefillWrapper  # noqa: E402
-from .selection import expand_tokens, index_keys, index_queries, index_scores, select, topk_groups  # noqa: E402
+from .api import qsa_prefill, select, sparse_attention  # noqa: E402
+from .wrapper import QSAPrefillWrapper, Workspace  # noqa: E402
+from .stages.attention import page4_attention, page4_plan  # noqa: E402
+from .stages.metadata import rows_from_query_start_loc, tables_from_paged_indptr  # noqa: E402
+from .stages.selection import (expand_tokens, index_keys, index_queries, index_scores,  # noqa: E402
+                               topk_groups)
 
 __version__ = "0.1.0"
 

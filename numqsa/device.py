@@ -19,12 +19,11 @@ import numpy as np
 from numba import cuda
 
 from .jit import SIMULATOR
-from .kernels.common import is_bf16
 from .plan import PROFILES
 
 __all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
            "as_numba", "describe", "new_array", "current_stream_handle", "stream_handle",
-           "host_int32", "ints"]
+           "host_int32", "is_bf16"]
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 _BUILDABLE = set()         # compute capabilities this install's toolchain was checked to build
@@ -49,6 +48,12 @@ def resolve_stream(stream=None):
     if SIMULATOR or int(stream) == 0:   # the simulator's launches are synchronous anyway
         return cuda.default_stream()
     return cuda.external_stream(int(stream))
+
+
+def is_bf16(a):
+    """Whether ``a`` (any array) holds bfloat16 (ml_dtypes NumPy / numba arrays, torch tensors)."""
+    dt = getattr(a, "dtype", None)
+    return (getattr(dt, "name", None) or str(dt)).replace("torch.", "") == "bfloat16"
 
 
 def is_host(x):
@@ -311,25 +316,6 @@ def host_int32(x, name):
                                 f"|value| < 2^31); int64 values that large would be wrapped, so they "
                                 f"are refused")
     return np.ascontiguousarray(a, dtype=np.int32)
-
-
-def ints(x, stream, name="index array"):
-    """Device int32 array of a small integer array.
-
-    Host arrays are range-checked (:func:`host_int32`) and copied; device int32 arrays are used in
-    place; device int64 arrays are converted on the device with saturation (no host read), which keeps
-    their meaning under spec §1: an id beyond int32 stays out of range (inert row, invalid page), a
-    position beyond it stays past the end (clamped), a negative one stays negative (inert).
-    """
-    from oracle.validate import dtype_name
-    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)):
-        return as_device(host_int32(x, name), stream)[0]
-    d = as_device(x, stream)[0]
-    if dtype_name(d) == "int32":
-        return d
-    from .kernels.convert import launch_saturate_int32
-    out = empty(d.shape, np.int32, stream)
-    return launch_saturate_int32(d, out, stream)
 
 
 def out_buffer(out, shape, dtype, stream, name):

@@ -77,8 +77,13 @@ def describe():
     lines.append(f"NVRTC {t.nvrtc[0]}.{t.nvrtc[1]}: sm_{t.ccs[0][0]}{t.ccs[0][1]} to "
                  f"sm_{t.ccs[-1][0]}{t.ccs[-1][1]}" if t.nvrtc and t.ccs else "NVRTC: none loads")
     lines.append(f"libNVVM {t.nvvm}" if t.nvvm else "libNVVM: not found")
-    import numqsa
-    lines.append(f"numqsa {numqsa.__version__} {numqsa.__file__}")
+    from importlib import metadata
+    from pathlib import Path
+    try:
+        version = metadata.version("numqsa")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    lines.append(f"numqsa {version} {Path(__file__).parent / '__init__.py'}")
     return lines
 
 

@@ -32,29 +32,14 @@ from oracle import validate as V
 
 from . import device as dev
 from .launch import Program, recording
+from .stages.attention import attention_launch
+from .stages.common import Buffers, guard_positions, ints, kernel_dtype
+from .stages.selection import select_chunk_rows, select_launch
 
-__all__ = ["QSAPrefillWrapper", "check_geometry_int", "cached_wrapper"]
+__all__ = ["QSAPrefillWrapper", "Workspace", "cached_wrapper"]
 
 META = ("req_ids", "positions", "seq_lens", "block_table", "index_block_table")
 MAX_KB, MAX_R = V.MAX_KB, V.MAX_R
-
-
-check_geometry_int = V.check_int
-
-
-def _kernel_dtype(x, name, kind):
-    """The kernel dtype of a float input: float16, bfloat16 (ml_dtypes NumPy arrays, torch
-    bfloat16 tensors, numba arrays of dtype ml_dtypes.bfloat16) or float32."""
-    dt = V.dtype_name(x)
-    if dt == "void16":
-        raise V.QSAInputError(
-            f"{name} has dtype void16 (a 16-bit type the CUDA array interface cannot name, e.g. "
-            f"bfloat16 seen through __cuda_array_interface__); pass the torch tensor itself, or a "
-            f"numba array viewed as ml_dtypes.bfloat16")
-    if dt not in dev.KERNEL_FLOATS:
-        raise V.QSAInputError(f"{name} has dtype {dt}; the kernels take "
-                              f"{', '.join(dev.KERNEL_FLOATS)}")
-    return dt
 
 
 class QSAPrefillWrapper:
@@ -68,7 +53,7 @@ class QSAPrefillWrapper:
     ``dtype`` is the attention tensors' (q, K/V) dtype, ``index_dtype`` (default ``dtype``) that of
     ``qi`` and the index cache; ``out_dtype`` defaults to ``dtype``; ``scale`` to ``1/sqrt(D)``.
     ``score_bytes`` bounds the float32 score block of one row chunk of the selection
-    (:data:`numqsa.selection.SELECT_SCORE_BYTES` by default, see :func:`numqsa.select`).
+    (:data:`numqsa.stages.selection.SELECT_SCORE_BYTES` by default, see :func:`numqsa.select`).
     Dtypes: ``"float16"``, ``"bfloat16"`` (torch.bfloat16 / ml_dtypes.bfloat16 arrays; tensor cores
     on sm_80+, the FMA routes on sm_70) or ``"float32"``.
 
@@ -89,13 +74,13 @@ class QSAPrefillWrapper:
                  r: int = 4, Kb: int = 512, dtype: Any = "float16", index_dtype: Any = None,
                  out_dtype: Any = None, scale: Optional[float] = None, max_programs: int = 8,
                  score_bytes: Optional[int] = None) -> None:
-        self.Hi = check_geometry_int(Hi, "Hi")
-        self.Di = check_geometry_int(Di, "Di")
-        self.Hq = check_geometry_int(Hq, "Hq")
-        self.Hkv = check_geometry_int(Hkv, "Hkv")
-        self.D = check_geometry_int(D, "D")
-        self.r = check_geometry_int(r, "r", 1, MAX_R)
-        self.Kb = check_geometry_int(Kb, "Kb", 1, MAX_KB)
+        self.Hi = V.check_int(Hi, "Hi")
+        self.Di = V.check_int(Di, "Di")
+        self.Hq = V.check_int(Hq, "Hq")
+        self.Hkv = V.check_int(Hkv, "Hkv")
+        self.D = V.check_int(D, "D")
+        self.r = V.check_int(r, "r", 1, MAX_R)
+        self.Kb = V.check_int(Kb, "Kb", 1, MAX_KB)
         if self.Hq % self.Hkv:
             raise V.QSAInputError(f"Hq = {self.Hq} is not a multiple of Hkv = {self.Hkv}")
         self.dtype = self._dtype_arg(dtype, "dtype")
@@ -104,9 +89,9 @@ class QSAPrefillWrapper:
         self.scale = 1.0 / np.sqrt(self.D) if scale is None else float(scale)
         self.width = self.Kb * self.r + self.r - 1
         self.max_programs = int(max_programs)
-        self.score_bytes = None if score_bytes is None else check_geometry_int(score_bytes,
+        self.score_bytes = None if score_bytes is None else V.check_int(score_bytes,
                                                                                "score_bytes")
-        self._ws = _Buffers()
+        self._ws = Buffers()
         self._programs = OrderedDict()
         self._streams = {}
         self._planned = False
@@ -174,7 +159,7 @@ class QSAPrefillWrapper:
             lens = host["seq_lens"]
             need = int(lens.max()) // self.r if lens.size else 0
         if num_groups is not None:
-            num_groups = check_geometry_int(num_groups, "num_groups", 0)
+            num_groups = V.check_int(num_groups, "num_groups", 0)
             if need is not None and num_groups < need:
                 q = int(np.argmax(host["seq_lens"]))
                 raise V.QSAInputError(
@@ -219,9 +204,8 @@ class QSAPrefillWrapper:
         d = dev.as_numba(x, name)
         if V.dtype_name(d) == "int32":
             return d, "numba"
-        from .kernels.convert import launch_saturate_int32
         buf = self._ws.buffer(f"meta.{name}", d.shape, np.int32, nstream)
-        return launch_saturate_int32(d, buf, nstream), "numba"
+        return ints(d, nstream, name, out=buf), "numba"
 
     @property
     def _meta(self):
@@ -266,7 +250,6 @@ class QSAPrefillWrapper:
 
     def score_elements(self, index_cache: Any) -> int:
         """Float32 elements of the selection's score block for this plan and index cache layout."""
-        from .selection import select_chunk_rows
         G = self._score_groups(index_cache)
         return select_chunk_rows(self._rows, G, self.score_bytes) * max(G, 1)
 
@@ -382,13 +365,11 @@ class QSAPrefillWrapper:
 
     def _prepare(self, mode, inputs, arrays, kinds, outs):
         """Check one layout against the geometry and the plan, then record its launches."""
-        from .attention import attention_launch
-        from .selection import select_chunk_rows, select_launch
         named = dict(inputs)
         dev_arrays = {}
         for (name, x), a, kind in zip(inputs, arrays, kinds):
             if name not in ("tokens", "counts", "scores"):
-                _kernel_dtype(x, name, "numpy" if isinstance(x, np.ndarray) else kind)
+                kernel_dtype(x, name, "numpy" if isinstance(x, np.ndarray) else kind)
             dev_arrays[name] = a if kind == "numba" else dev.as_numba(a, name)
         rows = self._rows
         req, pos, lens, bt, ibt = self._meta
@@ -460,14 +441,9 @@ class QSAPrefillWrapper:
     def _guard_rows(self, mode, req, pos, lens, ibt, ic, bt, dev_arrays):
         """Positions with -1 for the rows needing a bad page id of the tables this mode reads
         (the index table; in prefill also the block table): every later stage sees them inert."""
-        from .kernels.guard import launch_guard
         out = self._ws.buffer("guard.positions", (self._rows,), "int32", None)
-        kv = {}
-        if mode == "prefill":
-            kc = dev_arrays["k_cache"]
-            kv = dict(ktable=bt, n_kpages=int(kc.shape[0]), page_size=int(kc.shape[1]))
-        return launch_guard(req, pos, lens, ibt, int(ic.shape[0]), int(ic.shape[1]), out,
-                            dev.resolve_stream(None), r=self.r, **kv)
+        kv = dict(block_table=bt, k_cache=dev_arrays["k_cache"]) if mode == "prefill" else {}
+        return guard_positions(req, pos, lens, ibt, ic, out, dev.resolve_stream(None), self.r, **kv)
 
     def _check_kv_layout(self, kc):
         """Point at the likely mistake when a head-major cache arrives untransposed."""
@@ -527,38 +503,35 @@ def cached_wrapper(mode, handle, workspace=None, **geometry):
     return w
 
 
-def fill_out(out, names, fresh):
-    """``out`` as a full tuple of ``len(names)`` buffers, ``None`` entries replaced by ``fresh(i)``."""
-    if not isinstance(out, (tuple, list)) or len(out) != len(names):
-        raise V.QSAInputError(f"out must be a tuple ({', '.join(names)}), got "
-                              f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(
-                                  out, (tuple, list)) else ""))
-    if all(b is not None for b in out):
-        return tuple(out)
-    return tuple(fresh(i) if b is None else b for i, b in enumerate(out))
+class Workspace:
+    """Keeps wrappers (their buffers and prepared launches) and outputs across functional calls.
 
-
-class _Buffers:
-    """Device buffers kept by name, reallocated only when the shape or dtype changes."""
+    With a workspace, :func:`qsa_prefill` writes its results into buffers kept here (reused while
+    the shapes stay the same: a second call of the same shapes allocates no device memory); the
+    arrays a call returns are therefore overwritten by the next call. :func:`numqsa.select` and
+    :func:`numqsa.sparse_attention` keep their wrapper here too (their results stay fresh arrays
+    unless ``out=`` is given).
+    """
 
     def __init__(self):
-        self._buffers = {}
+        self._wrappers = {}
+        self._outs = {}
+        self._scratch = Buffers()
 
     def buffer(self, name, shape, dtype, stream):
-        shape, dtype = tuple(int(s) for s in shape), dev.np_dtype(dtype)
-        buf = self._buffers.get(name)
-        if buf is None or tuple(buf.shape) != shape or np.dtype(buf.dtype) != dtype:
-            buf = dev.empty(shape, dtype, stream or 0)
-            self._buffers[name] = buf
-        return buf
+        """A scratch device buffer kept by name (``select``/``sparse_attention``'s ``workspace=``)."""
+        return self._scratch.buffer(name, shape, dtype, stream)
 
-    def put(self, name, host, stream):
-        """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""
-        buf = self.buffer(name, host.shape, host.dtype, stream)
-        if host.size:               # (the simulator refuses empty copies of unequal strides)
-            dev.copy_to_device(buf, host, stream or 0)
-        return buf
+    def outputs(self, key, specs, like_kind, like, stream):
+        bufs = self._outs.get(key)
+        if bufs is None or [tuple(b.shape) for b in bufs] != [tuple(s) for _, s, _ in specs]:
+            kind = "numba" if like_kind == "numpy" else like_kind
+            bufs = self._outs[key] = tuple(dev.new_array(kind, s, dt, like, stream)
+                                           for _, s, dt in specs)
+        return bufs
 
     @property
     def nbytes(self):
-        return sum(b.size * np.dtype(b.dtype).itemsize for b in self._buffers.values())
+        total = sum(w._ws.nbytes for w in self._wrappers.values()) + self._scratch.nbytes
+        return total + sum(int(np.prod(b.shape)) * dev.np_dtype(str(b.dtype).replace("torch.", "")).itemsize
+                           for bufs in self._outs.values() for b in bufs)

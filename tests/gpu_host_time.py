@@ -64,7 +64,7 @@ def main(path):
                     t["seq_lens"]]
         sel_out = (torch.empty_like(tok), torch.empty_like(cnt),
                    torch.empty(rows, 512, dtype=torch.int32, device="cuda"))
-        chunk = numqsa.selection.select_chunk_rows(rows, G)
+        chunk = numqsa.stages.selection.select_chunk_rows(rows, G)
         sel_ws = torch.empty(chunk * G, dtype=torch.float32, device="cuda")
         att_out = (torch.empty_like(o), torch.empty_like(lse))
         att_ws = numqsa.Workspace()

@@ -391,7 +391,7 @@ def test_page4_grouping_invariance(rng, arch):
 # ---------------------------------------------------------------------------------------------
 
 def test_routing(monkeypatch):
-    from numqsa.attention import route
+    from numqsa.stages.attention import route
     from numqsa.plan import PROFILES
     for name, prof in PROFILES.items():
         n = prof.attention.page4_min_rows

@@ -14,7 +14,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa import selection as sel
+from numqsa.stages import selection as sel
 from numqsa.testing import (assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison,
                             to_device)
 from oracle.problems import make_problem
@@ -175,7 +175,7 @@ def test_generic_bf16(rng, arch, out_dtype):
 ])
 def test_grouped_bf16(rng, monkeypatch, name, seq_lens, rows, page_size, hq, hkv, kb, mode):
     monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
-    seen = _spy(monkeypatch, numqsa.attention._grouped, "launch_grouped")
+    seen = _spy(monkeypatch, numqsa.stages.attention._grouped, "launch_grouped")
     p = small_problem(rng, seq_lens, rows, page_size=page_size, Hq=hq, Hkv=hkv, dtype=BF16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=kb, mode=mode)
     out, lse = _attend(p, tokens, counts, "page4")
@@ -187,7 +187,7 @@ def test_grouped_bf16_12_heads_d256(rng, monkeypatch):
     """Qwen3.8-Flash-Next at TP2 (Hq 12 / Hkv 1, D 256): grouped route with float32 output and
     the generic kernel at the same geometry, device arrays."""
     monkeypatch.setenv("NUMQSA_ARCH", "sm_90")
-    seen = _spy(monkeypatch, numqsa.attention._grouped, "launch_grouped")
+    seen = _spy(monkeypatch, numqsa.stages.attention._grouped, "launch_grouped")
     p = small_problem(rng, [41], [2], page_size=16, Hq=12, Hkv=1, D=256, dtype=BF16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=4,
                                mode="overlap")
@@ -202,7 +202,7 @@ def test_sm70_bf16_takes_generic(rng, monkeypatch):
     """No bfloat16 tensor cores on sm_70: the planned page-4 route hands bfloat16 to the generic
     FMA kernel (and refuses it when forced)."""
     monkeypatch.setenv("NUMQSA_ARCH", "sm_70")
-    seen = _spy(monkeypatch, numqsa.attention._page4, "launch_page4")
+    seen = _spy(monkeypatch, numqsa.stages.attention._page4, "launch_page4")
     p = small_problem(rng, [30], [2], Hq=2, Hkv=1, dtype=BF16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=3)
     out, lse = _attend(p, tokens, counts, None)

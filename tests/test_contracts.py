@@ -16,7 +16,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa import selection as sel
+from numqsa.stages import selection as sel
 from numqsa.kernels import index_scores as k_scores
 from numqsa.kernels import topk as k_topk
 from numqsa.plan import arch_profile
@@ -249,7 +249,7 @@ def test_select_with_nonfinite_index_cache(rng):
     """The fused chain ranks NaN-scored groups first, as the oracle's select."""
     p = _poison_index(_index_problem(rng))
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(p)]
-    tokens, counts, groups = (x.copy_to_host() for x in sel.select(*d, Kb=4))
+    tokens, counts, groups = (x.copy_to_host() for x in numqsa.select(*d, Kb=4))
     scores = oracle.index_scores(*_batch(p))
     assert_selection_matches(groups, tokens, counts, scores, p["req_ids"], p["positions"],
                              p["seq_lens"], Kb=4)

@@ -24,7 +24,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa import selection as sel
+from numqsa.stages import selection as sel
 from numqsa.kernels import index_scores as k_scores
 from numqsa.plan import arch_profile
 from numqsa.testing import assert_matches_oracle, assert_selection_matches, poison, to_device
@@ -127,7 +127,7 @@ def check_problem(p, kb, desc, seed):
             assert_matches_oracle(t.copy_to_host()[idx, :G], ref_s, dtype="float32",
                                   what="tiled scores")
         # fused selection
-        tokens, counts, groups = sel.select(*d, Kb=kb)
+        tokens, counts, groups = numqsa.select(*d, Kb=kb)
         tok, cnt, grp = tokens.copy_to_host(), counts.copy_to_host(), groups.copy_to_host()
         assert_selection_matches(grp[idx], tok[idx], cnt[idx], ref_s, sp["req_ids"],
                                  sp["positions"], p["seq_lens"], Kb=kb)

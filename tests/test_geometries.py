@@ -16,7 +16,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa import selection as sel
+from numqsa.stages import selection as sel
 from numqsa.kernels import attention as k_attention
 from numqsa.kernels import index_scores as k_scores
 from numqsa.kernels import topk as k_topk
@@ -221,7 +221,7 @@ def test_select_indexer_geometry(rng, page_size, shared):
                     shared=shared)
     rows, kb = p["req_ids"].size, 6
     out = tuple(poison(np.empty(s, np.int32)) for s in ((rows, kb * R + R - 1), (rows,), (rows, kb)))
-    tokens, counts, groups = sel.select(*_batch(p), Kb=kb, out=out)
+    tokens, counts, groups = numqsa.select(*_batch(p), Kb=kb, out=out)
     assert_selection_matches(groups, tokens, counts, oracle.index_scores(*_batch(p)),
                              p["req_ids"], p["positions"], p["seq_lens"], Kb=kb)
 

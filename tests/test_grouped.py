@@ -26,7 +26,7 @@ def _calls(monkeypatch):
     def spy(*a, **k):
         seen.append(1)
         return orig(*a, **k)
-    monkeypatch.setattr(numqsa.attention._grouped, "launch_grouped", spy)
+    monkeypatch.setattr(numqsa.stages.attention._grouped, "launch_grouped", spy)
     return seen
 
 

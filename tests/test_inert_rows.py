@@ -230,7 +230,7 @@ def test_plan_pages_bound():
 def test_rows_beyond_the_plan_width_go_generic(seed):
     """A plan narrower than a row's selection (a caller's wrong ``max_groups``) leaves the row to
     the generic kernel: the page-4 route's answer is still the oracle's, never a truncated row."""
-    from numqsa.attention import attention_launch
+    from numqsa.stages.attention import attention_launch
     p = small(seed)
     tokens, counts, _ = oracle.select(*[p[k] for k in SEL], Kb=KB)
     assert (counts[:3] > 2 * 4).all()
@@ -298,7 +298,7 @@ def test_gpu_kb_beyond_visible_groups(seed):
     w.plan(p["req_ids"], p["positions"], p["seq_lens"], p["block_table"], p["index_block_table"])
     out, lse, tokens, counts = (x.copy_to_host() for x in w.run(
         d["qi"], d["index_cache"], d["q"], d["k_cache"], d["v_cache"], return_selection=True))
-    if numqsa.attention.route(64, 64).route == "page4":   # sm_70 takes the generic kernel here
+    if numqsa.stages.attention.route(64, 64).route == "page4":   # sm_70 takes the generic kernel here
         assert w._ws._buffers["page4.pages"].shape[1] == 8192 // 4 + 1
     np.testing.assert_array_equal(counts, np.minimum(p["positions"], 8191) + 1)
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,

@@ -3,7 +3,7 @@ checked element by element and through the oracle (same answer as the original m
 import numpy as np
 
 import oracle
-from numqsa.metadata import rows_from_query_start_loc, tables_from_paged_indptr
+from numqsa.stages.metadata import rows_from_query_start_loc, tables_from_paged_indptr
 from oracle.problems import make_problem
 
 

@@ -11,7 +11,8 @@ import pytest
 
 import oracle
 from oracle.problems import make_problem
-from numqsa import selection as sel
+import numqsa
+from numqsa.stages import selection as sel
 from numqsa.testing import (assert_matches_oracle, assert_selection_matches,
                             index_scores_accumulating_in, poison)
 
@@ -348,7 +349,7 @@ def test_select_dense_boundary(rng, ctx):
     """At p <= Kb*r + r - 2 = 2050 the selection is every token 0..p (Kb 512, r 4)."""
     P = make_problem([ctx], [2], page_size=64, dtype=np.float16, seed=int(rng.integers(1 << 31)),
                      **SMALL)
-    tokens, counts, groups = sel.select(*_batch(P), Kb=512)
+    tokens, counts, groups = numqsa.select(*_batch(P), Kb=512)
     assert_selection_matches(groups, tokens, counts, _scores_expect(P), P["req_ids"],
                              P["positions"], P["seq_lens"], Kb=512)
     for i, p in enumerate(P["positions"]):
@@ -366,7 +367,7 @@ def test_select_vs_oracle(rng, page_size, shared):
     rows = P["qi"].shape[0]
     out = (poison(np.empty((rows, kb * 4 + 3), np.int32)), poison(np.empty(rows, np.int32)),
            poison(np.empty((rows, kb), np.int32)))
-    tokens, counts, groups = sel.select(*_batch(P), Kb=kb, out=out)
+    tokens, counts, groups = numqsa.select(*_batch(P), Kb=kb, out=out)
     assert_selection_matches(groups, tokens, counts, _scores_expect(P), P["req_ids"],
                              P["positions"], P["seq_lens"], Kb=kb)
     # the kernel's own scores through the oracle's top-k give exactly the kernel's groups
@@ -378,9 +379,9 @@ def test_select_vs_oracle(rng, page_size, shared):
 def test_select_chunked_equals_whole(rng):
     P = make_problem([150, 77], [3, 2], page_size=16, dtype=np.float16,
                      seed=int(rng.integers(1 << 31)), **SMALL)
-    whole = sel.select(*_batch(P), Kb=5)
+    whole = numqsa.select(*_batch(P), Kb=5)
     G = 150 // 4
-    chunked = sel.select(*_batch(P), Kb=5, score_bytes=2 * 4 * G)    # two rows per chunk
+    chunked = numqsa.select(*_batch(P), Kb=5, score_bytes=2 * 4 * G)    # two rows per chunk
     for a, b in zip(whole, chunked):
         np.testing.assert_array_equal(a, b)
 
@@ -390,7 +391,7 @@ def test_select_ties_zero_scores(rng):
     P = make_problem([120], [2], page_size=16, dtype=np.float16, seed=int(rng.integers(1 << 31)),
                      **SMALL)
     P["index_cache"][...] = 0
-    tokens, counts, groups = sel.select(*_batch(P), Kb=4)
+    tokens, counts, groups = numqsa.select(*_batch(P), Kb=4)
     nb = (P["positions"] + 1) // 4
     for i in range(2):
         np.testing.assert_array_equal(groups[i], np.arange(4))
@@ -404,7 +405,7 @@ def test_select_rejects_bad_page():
     P["index_block_table"] = P["index_block_table"].copy()
     P["index_block_table"][0, 0] = P["index_cache"].shape[0]
     with pytest.raises(oracle.QSAInputError, match=r"index_block_table\[0, 0\]"):
-        sel.select(*_batch(P), Kb=4)
+        numqsa.select(*_batch(P), Kb=4)
 
 
 def test_select_chunk_rows():
@@ -426,7 +427,7 @@ def test_gpu_select_real_shapes(rows, ctx, seed):
     from numba import cuda
     P = make_problem([ctx], [rows], page_size=64, dtype=np.float16, seed=seed)
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in _batch(P)]
-    tokens, counts, groups = sel.select(*d, Kb=512)
+    tokens, counts, groups = numqsa.select(*d, Kb=512)
     ref = _scores_expect(P)
     assert_selection_matches(groups.copy_to_host(), tokens.copy_to_host(), counts.copy_to_host(),
                              ref, P["req_ids"], P["positions"], P["seq_lens"], Kb=512)
@@ -435,7 +436,7 @@ def test_gpu_select_real_shapes(rows, ctx, seed):
                           what="scores")
     first = [x.copy_to_host() for x in (tokens, counts, groups)]
     for _ in range(20):
-        again = [x.copy_to_host() for x in sel.select(*d, Kb=512)]
+        again = [x.copy_to_host() for x in numqsa.select(*d, Kb=512)]
         for a, b in zip(first, again):
             assert np.array_equal(a, b), "select is not bitwise deterministic"
 

@@ -8,10 +8,10 @@ arguments, on the problem's torch tensors (used in place, no copies); by default
 times of the fused calls use the repeated-call arguments (``out=``, ``workspace=``,
 ``num_groups=``, ``validate=False``), which also allocate nothing; those of
 ``index_scores``/``topk_groups``/``expand_tokens`` (which allocate their outputs) are the kernel
-launcher they call (``numqsa.selection._launch_scores``, ``numqsa.kernels.topk.launch_topk``,
+launcher they call (``numqsa.stages.selection._launch_scores``, ``numqsa.kernels.topk.launch_topk``,
 ``numqsa.kernels.expand.launch_expand``). Attention gives one row for the planned route
 (``numqsa``, its route recorded) and one per other route (``numqsa.<route>``, ``route_name=``,
-which runs the direct launcher ``numqsa.attention.attention_launch``).
+which runs the direct launcher ``numqsa.stages.attention.attention_launch``).
 """
 import numpy as np
 
@@ -91,7 +91,7 @@ def _poison(x):
 
 def routes(p):
     """``(planned, others)`` attention routes for this problem."""
-    import numqsa.attention as A
+    import numqsa.stages.attention as A
     planned = A.route(p.case.rows, p.case.page_size, p.case.r).route
     return planned, [x for x in ("generic", "page4") if x != planned]
 
@@ -109,7 +109,7 @@ def prepare(stage, p, route=None):
     base = (p.qi, p.index_cache, p.block_table, p.req_ids, p.positions, p.seq_lens)
 
     if stage == "scores":
-        from numqsa import selection as S
+        from numqsa.stages import selection as S
         out = _empty(prob, (c.rows, G), "float32")
         nb_args = [_nb(x) for x in base]
         box = {}
@@ -158,7 +158,7 @@ def prepare(stage, p, route=None):
     if stage == "select":
         out = (_empty(prob, (c.rows, W), "int32"), _empty(prob, (c.rows,), "int32"),
                _empty(prob, (c.rows, kb), "int32"))
-        chunk = numqsa.selection.select_chunk_rows(c.rows, G)
+        chunk = numqsa.stages.selection.select_chunk_rows(c.rows, G)
         # a numba view: select() reads ``workspace.size`` as an attribute (a method on torch tensors)
         ws = _nb(_empty(prob, (chunk * max(G, 1),), "float32"))
         box = {}

@@ -6,6 +6,7 @@ from numba import cuda, float32, int32, uint32
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
 
+from ..device import is_bf16
 from ..jit import SIMULATOR, device_jit
 
 
@@ -104,12 +105,6 @@ def storer(bf16):
     """float32 -> stored element: bfloat16 bits when ``bf16``, else the value (the array's own
     dtype conversion on store, as before)."""
     return f32_to_bf16 if bf16 else _keep
-
-
-def is_bf16(a):
-    """Whether ``a`` (any array) holds bfloat16 (ml_dtypes NumPy / numba arrays, torch tensors)."""
-    dt = getattr(a, "dtype", None)
-    return (getattr(dt, "name", None) or str(dt)).replace("torch.", "") == "bfloat16"
 
 
 def bits16(a):

@@ -1,10 +1,11 @@
-"""Selection (spec §3-§5): pre-indexer, index scores, top-k groups, expansion, and the fused ``select``.
+"""The selection stages (spec §3-§5): pre-indexer, index scores, top-k groups, expansion.
 
-Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=``,
-``stream=`` and ``validate=``: validate (``oracle.validate``, before any launch) -> move to the device
-(:mod:`numqsa.device`) -> plan (:func:`numqsa.plan.plan_select`) -> launch -> NumPy back if the inputs
-were NumPy, else device arrays (no copies of device inputs; any strides). The fused :func:`select`
-is a thin layer over :class:`numqsa.QSAPrefillWrapper` (plan, then ``run_select``).
+Each public function here is one stage, mirroring its :mod:`oracle` namesake argument for argument
+and adding ``out=``, ``stream=`` and ``validate=``: check (``oracle.validate``, before any launch)
+-> the device (:mod:`numqsa.device`) -> plan (:func:`numqsa.plan.plan_select`) -> launch -> NumPy
+back if the inputs were NumPy, else device arrays (no copies of device inputs; any strides).
+:func:`select_launch` chains scores, top-k and expansion over row chunks: the launches
+:class:`numqsa.QSAPrefillWrapper` records for :func:`numqsa.select` and :func:`numqsa.qsa_prefill`.
 
 ``validate`` (every function here): None (default) checks the values of host arrays only and never
 reads a device array back, so a call on device arrays never waits for the GPU (the kernels guard
@@ -19,18 +20,16 @@ import numpy as np
 from oracle import validate as V
 from oracle.batch import row_states
 
-from . import device as dev
-from .kernels import expand as _expand
-from .kernels import guard as _guard
-from .kernels import index_keys as _pre
-from .kernels import index_scores as _scores
-from .kernels import topk as _topk
-from .plan import plan_select
-from .prefill import Workspace
-from .wrapper import _kernel_dtype, cached_wrapper, fill_out
+from .. import device as dev
+from ..kernels import expand as _expand
+from ..kernels import index_keys as _pre
+from ..kernels import index_scores as _scores
+from ..kernels import topk as _topk
+from ..plan import plan_select
+from .common import guard_positions, ints, values_checked
 
-__all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand_tokens", "select",
-           "SELECT_SCORE_BYTES"]
+__all__ = ["index_keys", "index_queries", "index_scores", "topk_groups", "expand_tokens",
+           "select_launch", "select_chunk_rows", "SELECT_SCORE_BYTES"]
 
 #: Fused ``select``: the float32 score block of one row chunk stays below this many bytes, so at 1M
 #: tokens (262,144 groups) a chunk is 1,024 rows and 16,384 rows need 1 GiB of scores, not 16 GiB.
@@ -47,7 +46,7 @@ def _rope_positions(rope_positions, n, stream, name):
     (m,) = V._rank(rope_positions, "rope_positions", 1, f"[{name}]")
     if m != n:
         raise V.QSAInputError(f"rope_positions has {m} entries, expected {n} ({name})")
-    return dev.ints(rope_positions, stream), True
+    return ints(rope_positions, stream), True
 
 
 def _emulate_f16(emulate_dtype):
@@ -118,8 +117,8 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     d_ic, ic_host = dev.as_device(index_cache, stream)
     rp, has_rp = _rope_positions(rope_positions, G, stream, "G")
     kc, kc_ret = dev.output(out, (G, di), np.float32, stream, "index_keys", k_raw)
-    _pre.launch_index_keys(d_k, d_w, dev.ints(group_req_ids, stream), dev.ints(group_ids, stream), rp,
-                           has_rp, d_ic, dev.ints(index_block_table, stream), kc, stream, eps=eps,
+    _pre.launch_index_keys(d_k, d_w, ints(group_req_ids, stream), ints(group_ids, stream), rp,
+                           has_rp, d_ic, ints(index_block_table, stream), kc, stream, eps=eps,
                            rot=rot, theta=theta, emulate_f16=emulate)
     if ic_host:
         index_cache[...] = d_ic.copy_to_host(stream=stream)
@@ -148,18 +147,10 @@ def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64,
     rp, has_rp = _rope_positions(rope_positions, rows, stream, "rows")
     qi, qi_ret = dev.output(out, s, dt, stream, "index_queries", q_raw)
     _pre.launch_index_queries(dev.as_device(q_raw, stream)[0], dev.as_device(w_q, stream)[0],
-                              dev.ints(req_ids, stream), dev.ints(positions, stream),
-                              dev.ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
+                              ints(req_ids, stream), ints(positions, stream),
+                              ints(seq_lens, stream), rp, has_rp, qi, stream, eps=eps, rot=rot,
                               theta=theta)
     return dev.finish(qi, was_host, out, stream, qi_ret)
-
-
-def values_checked(validate, *arrays):
-    """Whether value checks run: ``validate=True`` always (device arrays are read back), None when
-    every array they read is on the host (no call on device arrays waits), False never."""
-    if validate is None:
-        return all(isinstance(a, np.ndarray) for a in arrays)
-    return bool(validate)
 
 
 def _check_scores_inputs(qi, index_cache, index_block_table, req_ids, positions, seq_lens, r,
@@ -227,12 +218,11 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
     stream = dev.caller_stream(stream, qi)
     was_host = dev.is_host(qi)
     scores, ret = dev.output(out, (rows, int(num_groups)), np.float32, stream, "index_scores", qi)
-    ibt, req, pos, lens = (dev.ints(x, stream) for x in (index_block_table, req_ids, positions,
+    ibt, req, pos, lens = (ints(x, stream) for x in (index_block_table, req_ids, positions,
                                                          seq_lens))
     if not values_checked(validate, index_block_table, seq_lens):
-        pos = _guard.launch_guard(req, pos, lens, ibt, int(index_cache.shape[0]),
-                                  int(index_cache.shape[1]), dev.empty((rows,), np.int32, stream),
-                                  stream, r=r)
+        pos = guard_positions(req, pos, lens, ibt, index_cache, dev.empty((rows,), np.int32, stream),
+                              stream, r)
     _launch_scores(dev.as_device(qi, stream)[0], dev.as_device(index_cache, stream)[0], ibt, req,
                    pos, lens, scores, r, stream)
     return dev.finish(scores, was_host, out, stream, ret)
@@ -272,8 +262,8 @@ def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, 
     if not d_s.is_c_contiguous():
         raise V.QSAInputError("device scores must be C-contiguous (they are read as uint32 bits)")
     groups, ret = dev.output(out, (rows, int(Kb)), np.int32, stream, "topk_groups", scores)
-    _topk.launch_topk(d_s.view(np.uint32), dev.ints(req_ids, stream), dev.ints(positions, stream),
-                      dev.ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
+    _topk.launch_topk(d_s.view(np.uint32), ints(req_ids, stream), ints(positions, stream),
+                      ints(seq_lens, stream), groups, plan_select(rows, s[1], dev.device_cc()).profile,
                       stream, r=r)
     return dev.finish(groups, was_host, out, stream, ret)
 
@@ -313,8 +303,8 @@ def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream
     tokens, t_ret = dev.output(out_t, (rows, gs[1] * r + r - 1), np.int32, stream, "tokens", groups)
     counts, c_ret = dev.output(out_c, (rows,), np.int32, stream, "counts", groups)
     prof = plan_select(rows, 0, dev.device_cc()).profile
-    _expand.launch_expand(dev.as_device(groups, stream)[0], dev.ints(req_ids, stream),
-                          dev.ints(positions, stream), dev.ints(seq_lens, stream), tokens, counts, prof,
+    _expand.launch_expand(dev.as_device(groups, stream)[0], ints(req_ids, stream),
+                          ints(positions, stream), ints(seq_lens, stream), tokens, counts, prof,
                           stream, r=r)
     return (dev.finish(tokens, was_host, out_t, stream, t_ret),
             dev.finish(counts, was_host, out_c, stream, c_ret))
@@ -326,63 +316,6 @@ def select_chunk_rows(rows, num_groups, budget=None):
     if num_groups == 0:
         return max(1, rows)
     return max(1, min(rows, budget // (4 * num_groups)))
-
-
-def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512, r=4,
-           out=None, stream=None, score_bytes=None, workspace=None, num_groups=None, validate=None):
-    """Scores -> top-k -> expansion on the device: ``(tokens, counts, groups)``.
-
-    Mirrors :func:`oracle.select`; a thin layer over :class:`numqsa.QSAPrefillWrapper` (``plan``
-    then ``run_select`` on a wrapper kept per geometry, stream and thread), so repeated calls of
-    one layout replay prepared launches. Rows are processed in chunks whose float32 score block
-    stays under ``score_bytes`` (:data:`SELECT_SCORE_BYTES`, 1 GiB), reused from chunk to chunk.
-    Peak extra device memory: ``min(rows, score_bytes // (4*G)) * G * 4`` bytes of scores, plus the
-    outputs ``rows * (Kb*r + r - 1 + Kb + 1) * 4`` bytes. 16,384 rows at 1M tokens: 1 GiB of scores
-    + 0.17 GiB of outputs.
-
-    ``G`` (``num_groups``) defaults to ``max(seq_lens) // r`` for host ``seq_lens`` (or
-    ``validate=True``), else to the index table's capacity ``cols * R``; a given ``num_groups`` must
-    be at least ``max(seq_lens) // r``. ``validate``: None (default) checks host metadata and never
-    reads device metadata back (no wait for the GPU; the kernels make a row needing a bad page id
-    inert), True reads it back once, False checks shapes and dtypes only.
-    ``out`` may be a ``(tokens, counts, groups)`` triple (``None`` entries are allocated);
-    ``workspace`` a float32 device array of at least ``chunk * G`` elements to hold the scores, or a
-    :class:`numqsa.Workspace` to keep the wrapper in. Arrays come back as ``qi`` came in (NumPy in,
-    NumPy out, copied in and out); ``stream`` defaults to the current stream of ``qi``'s framework.
-    With ``out=`` a repeated call of one layout allocates nothing and never synchronises
-    (CUDA-graph capture).
-    """
-    r = V.check_r(r)
-    rows, _ = V.check_batch(req_ids, positions, seq_lens)
-    n_pages, R, di = V.check_index_cache(index_cache)
-    hi = V.check_index_q(qi, rows, di)
-    lead_kind = dev.array_kind(qi, "qi")
-    qd = _kernel_dtype(qi, "qi", lead_kind)
-    _kernel_dtype(index_cache, "index_cache", dev.array_kind(index_cache, "index_cache"))
-    Kb = V.check_kb(Kb)
-    if score_bytes is not None:
-        score_bytes = V.check_int(score_bytes, "score_bytes")
-    handle = (dev.current_stream_handle(lead_kind, qi) if stream is None
-              else dev.stream_handle(stream))
-    keep = workspace if isinstance(workspace, Workspace) else None
-    w = cached_wrapper("select", handle, keep, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r, Kb=Kb,
-                       dtype=qd, score_bytes=score_bytes)
-    w.plan(req_ids, positions, seq_lens, index_block_table, num_groups=num_groups,
-           validate=validate, stream=handle)
-    scores = None
-    if workspace is not None and keep is None:
-        need = w.score_elements(index_cache)
-        V.check_array(workspace, "workspace")
-        if rows and (V.dtype_name(workspace) != "float32"
-                     or int(np.prod(workspace.shape)) < need):
-            raise V.QSAInputError(f"workspace must be float32 with >= {need} elements")
-        if not isinstance(workspace, np.ndarray):
-            scores = workspace
-    if out is not None:
-        shapes = ((rows, w.width), (rows,), (rows, Kb))
-        out = fill_out(out, ("tokens", "counts", "groups"),
-                       lambda i: dev.new_array(lead_kind, shapes[i], np.int32, qi, None))
-    return w.run_select(qi, index_cache, out=out, stream=handle, scores=scores)
 
 
 def select_launch(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, Kb=512,
@@ -419,9 +352,9 @@ def select_launch(qi, index_cache, index_block_table, req_ids, positions, seq_le
     groups = dev.out_buffer(out_g, (rows, int(Kb)), np.int32, stream, "groups")
     d_qi = dev.as_device(qi, stream)[0]
     d_ic = dev.as_device(index_cache, stream)[0]
-    d_ibt = dev.ints(index_block_table, stream, "index_block_table")
-    req, pos, lens = (dev.ints(req_ids, stream, "req_ids"), dev.ints(positions, stream, "positions"),
-                      dev.ints(seq_lens, stream, "seq_lens"))
+    d_ibt = ints(index_block_table, stream, "index_block_table")
+    req, pos, lens = (ints(req_ids, stream, "req_ids"), ints(positions, stream, "positions"),
+                      ints(seq_lens, stream, "seq_lens"))
     prof = plan_select(rows, G, dev.device_cc()).profile
     chunk = select_chunk_rows(rows, G, score_bytes)
     width = max(G, 1)

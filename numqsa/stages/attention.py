@@ -1,14 +1,14 @@
-"""Sparse attention over the selection (spec §6) and the page-4 route (spec §7).
+"""The attention stage: sparse attention over a selection (spec §6) and the page-4 route (spec §7).
 
 ``out[i, h] = sum_{t in S_i} softmax_t(scale <q[i,h], K[t, h // (Hq/Hkv)]>) V[t, h // (Hq/Hkv)]``.
 
-Each public function mirrors its :mod:`oracle` namesake argument for argument, adding ``out=``,
-``stream=`` (and ``out_dtype=`` for the attention outputs): validate (``oracle.validate``, before any
-launch) -> move to the device (:mod:`numqsa.device`; device arrays and CUDA tensors are used in place,
-strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> launch -> NumPy back if
-the query was NumPy, else device arrays. :func:`sparse_attention` is a thin layer over
-:class:`numqsa.QSAPrefillWrapper` (plan, then ``run_attention``); :func:`attention_launch` is the
-direct launcher the wrapper records (and a forced ``route_name`` runs).
+:func:`attention_launch` is the launcher :class:`numqsa.QSAPrefillWrapper` records (and
+:func:`numqsa.sparse_attention` runs for a forced ``route_name``): check (``oracle.validate``,
+before any launch) -> the device (:mod:`numqsa.device`; device arrays and CUDA tensors are used in
+place, strided K/V views included) -> route (:func:`numqsa.plan.plan_attention`) -> launch -> NumPy
+back if the query was NumPy, else device arrays. :func:`page4_plan` and :func:`page4_attention` are
+the stage's two halves as public functions: each mirrors its :mod:`oracle` namesake argument for
+argument, adding ``out=``, ``stream=`` (and ``out_dtype=`` for the attention outputs).
 
 Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
 profile's ``page4_min_rows`` rows on (every row count on sm_80/sm_90), the page-4 plan plus a grouped
@@ -20,19 +20,17 @@ import numpy as np
 
 from oracle import validate as V
 
-from . import device as dev
-from .selection import values_checked
-from .kernels import attention as _generic
-from .kernels import grouped as _grouped
-from .kernels import page4 as _page4
-from .plan import plan_attention
-from .prefill import Workspace
-from .wrapper import cached_wrapper, fill_out
+from .. import device as dev
+from ..kernels import attention as _generic
+from ..kernels import grouped as _grouped
+from ..kernels import page4 as _page4
+from ..plan import plan_attention
+from .common import ints, values_checked
 
-__all__ = ["sparse_attention", "attention_launch", "page4_plan", "page4_attention", "route"]
+__all__ = ["attention_launch", "page4_plan", "page4_attention", "route"]
 
 
-def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
+def check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     r = V.check_r(r)
     (rows,) = V._rank(req_ids, "req_ids", 1, "[rows]")
     V.check_batch(req_ids, req_ids, seq_lens)          # attention reads no positions
@@ -43,7 +41,7 @@ def _check_common(q, k_cache, v_cache, req_ids, seq_lens, r):
     return r, rows, num_pages, page_size, hkv, d, hq, qd, kd
 
 
-def _out_dtype(out_dtype, qd):
+def out_dtype_of(out_dtype, qd):
     name = qd if out_dtype is None else dev.np_dtype(out_dtype).name
     if name not in dev.KERNEL_FLOATS:
         raise V.QSAInputError(f"out_dtype {name} is not supported ({', '.join(dev.KERNEL_FLOATS)})")
@@ -90,60 +88,13 @@ def route(rows, page_size, r=4, cc=None):
     return plan_attention(rows, dev.device_cc() if cc is None else cc, page_size, r)
 
 
-def _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate):
+def host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate):
     """Value checks: host selections against host metadata (whatever ``validate``), the page table
     when it and ``seq_lens`` are on the host (or ``validate=True`` reads them back)."""
     if dev.is_host(tokens) and values_checked(validate or None, counts, req_ids, seq_lens):
         V.check_tokens(tokens, counts, req_ids, seq_lens)
     if values_checked(validate, block_table, seq_lens):
         V.check_table(block_table, seq_lens, units_per_page=page_size, num_pages=num_pages)
-
-
-def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
-                     scale=None, r=4, out_dtype=None, out=None, stream=None, route_name=None,
-                     workspace=None, validate=None):
-    """``(out [rows, Hq, D], lse float32 [rows, Hq])`` over ``S_i = tokens[i, :counts[i]]``.
-
-    Mirrors :func:`oracle.sparse_attention`; a thin layer over :class:`numqsa.QSAPrefillWrapper`
-    (``plan`` then ``run_attention`` on a wrapper kept per geometry, stream and thread, or in
-    ``workspace``, a :class:`numqsa.Workspace`), so repeated calls of one layout replay prepared
-    launches. ``out`` (optional) may be a tuple ``(out, lse)`` of preallocated buffers (``None``
-    entries are allocated). The output dtype is the query's unless ``out_dtype`` (float16/float32).
-    Arrays come back as ``q`` came in (NumPy in, NumPy out, copied in and out); ``stream``
-    defaults to the current stream of ``q``'s framework.
-
-    ``validate``: None (default) checks host values only (host selections against host metadata,
-    the page table when it and ``seq_lens`` are on the host) and never reads a device array back
-    (no wait for the GPU); True reads device tables back once; False skips the page-table check.
-    Inert rows and rows whose ids are out of range (the kernels check) give 0 / ``-inf``.
-    ``route_name`` ("generic" or "page4") forces a route (tests and benchmarks): such a call runs
-    the direct launcher (:func:`attention_launch`, same checks and results, no prepared launches);
-    the page-4 route needs selections of whole aligned groups plus one tail run.
-    """
-    if route_name is not None:
-        return attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids,
-                                seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
-                                stream=stream, route_name=route_name, workspace=workspace,
-                                validate=validate)
-    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
-                                                                      seq_lens, r)
-    kb = V.check_selection(tokens, counts, rows, r)
-    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages,
-                 validate)
-    od = _out_dtype(out_dtype, qd)
-    lead_kind = dev.array_kind(q, "q")
-    handle = (dev.current_stream_handle(lead_kind, q) if stream is None
-              else dev.stream_handle(stream))
-    keep = workspace if isinstance(workspace, Workspace) else None
-    w = cached_wrapper("attention", handle, keep, Hi=1, Di=1, Hq=hq, Hkv=hkv, D=d, r=r,
-                       Kb=max(1, kb), dtype=qd, out_dtype=od, scale=scale)
-    # the table was checked above (or not, as validate says): the plan does not check it again
-    w.plan(req_ids, None, seq_lens, block_table, validate=False, stream=handle)
-    if out is not None:
-        shapes = (((rows, hq, d), od), ((rows, hq), "float32"))
-        out = fill_out(out, ("out", "lse"),
-                       lambda i: dev.new_array(lead_kind, shapes[i][0], shapes[i][1], q, None))
-    return w.run_attention(q, k_cache, v_cache, tokens, counts, out=out, stream=handle)
 
 
 def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
@@ -156,11 +107,11 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     ``max_groups`` (the plan's ``max(seq_lens) // r`` when the host knows it) bounds the page-4
     plan's width with the table's capacity (:func:`numqsa.kernels.page4.plan_pages`).
     """
-    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = _check_common(q, k_cache, v_cache, req_ids,
+    r, rows, num_pages, page_size, hkv, d, hq, qd, kd = check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     V.check_selection(tokens, counts, rows, r)
-    _host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate)
-    od = _out_dtype(out_dtype, qd)
+    host_checks(tokens, counts, block_table, req_ids, seq_lens, page_size, num_pages, validate)
+    od = out_dtype_of(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     plan = route(rows, page_size, r)
     name = route_name or plan.route
@@ -176,7 +127,7 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     if name == "page4" and qd == "bfloat16" and not _grouped_ok(plan.profile, qd_, kc, vc):
         name = "generic"       # the m8n8k4 page-4 kernel multiplies float16 only
-    tab, tok, cnt, rid, lens = (dev.ints(x, stream) for x in (block_table, tokens, counts, req_ids,
+    tab, tok, cnt, rid, lens = (ints(x, stream) for x in (block_table, tokens, counts, req_ids,
                                                             seq_lens))
     out_buf, lse_buf = (None, None) if out is None else out
     o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
@@ -187,10 +138,10 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         bufs = ((lambda n, shape, dt: workspace.buffer(n, shape, dt, stream)) if workspace is not None
                 else (lambda n, shape, dt: dev.empty(shape, dt, stream)))
 
-        def ints(n, shape):
+        def int_buffer(n, shape):
             return bufs(n, shape, np.int32)
-        pages, nv, tl = (ints("page4.pages", (rows, kb + 1, 2)), ints("page4.num_vpages", (rows,)),
-                         ints("page4.tail_len", (rows,)))
+        pages, nv, tl = (int_buffer("page4.pages", (rows, kb + 1, 2)),
+                         int_buffer("page4.num_vpages", (rows,)), int_buffer("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
         _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
         _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od, plan.profile,
@@ -223,7 +174,7 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
     stream = dev.caller_stream(stream, tokens)
     was_host = dev.is_host(tokens)
-    tok, cnt, tab, rid, lens = (dev.ints(x, stream) for x in (tokens, counts, block_table, req_ids,
+    tok, cnt, tab, rid, lens = (ints(x, stream) for x in (tokens, counts, block_table, req_ids,
                                                             seq_lens))
     prof = route(rows, page_size, r).profile
     bufs = (None, None, None) if out is None else out
@@ -257,7 +208,7 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     why = _page4_unsupported(qd, V.dtype_name(k_cache), d, r, prof)
     if why:
         raise V.QSAInputError(f"page4_attention: {why}")
-    od = _out_dtype(out_dtype, qd)
+    od = out_dtype_of(out_dtype, qd)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     stream = dev.caller_stream(stream, q)
     was_host = dev.is_host(q)
@@ -265,7 +216,7 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     if qd == "bfloat16" and not _grouped_ok(prof, qd_, kc, vc):
         raise V.QSAInputError("page4_attention: bfloat16 needs the grouped kernel's 16-byte "
                               "aligned caches with a contiguous D axis")
-    pg, nv, tl, rid = (dev.ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
+    pg, nv, tl, rid = (ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
     o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
     lse, l_ret = dev.output(lse_buf, (rows, hq), "float32", stream, "lse", q)

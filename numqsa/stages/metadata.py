@@ -11,8 +11,9 @@ import numpy as np
 
 from oracle import validate as V
 
-from . import device as dev
-from .kernels import metadata as _k
+from .. import device as dev
+from ..kernels import metadata as _k
+from .common import ints
 
 __all__ = ["rows_from_query_start_loc", "tables_from_paged_indptr"]
 
@@ -49,7 +50,7 @@ def rows_from_query_start_loc(query_start_loc: Any, seq_lens: Any, *, rows: Opti
         rows = int(np.asarray(query_start_loc)[-1]) if n1 else 0
     rows = V.check_int(rows, "rows", 0)
     s = dev.resolve_stream(stream)
-    qsl, lens = dev.ints(query_start_loc, s, "query_start_loc"), dev.ints(seq_lens, s, "seq_lens")
+    qsl, lens = ints(query_start_loc, s, "query_start_loc"), ints(seq_lens, s, "seq_lens")
     req, pos = dev.empty((rows,), np.int32, s), dev.empty((rows,), np.int32, s)
     _k.launch_rows(qsl, lens, req, pos, s)
     return _finish(req, kind, query_start_loc, s), _finish(pos, kind, query_start_loc, s)
@@ -75,7 +76,7 @@ def tables_from_paged_indptr(kv_indptr: Any, kv_indices: Any, kv_last_page_len: 
         if longest > cols:
             raise V.QSAInputError(f"cols = {cols} is below the longest request's {longest} pages")
     s = dev.resolve_stream(stream)
-    ip, ix, lp = (dev.ints(x, s, n) for x, n in ((kv_indptr, "kv_indptr"), (kv_indices, "kv_indices"),
+    ip, ix, lp = (ints(x, s, n) for x, n in ((kv_indptr, "kv_indptr"), (kv_indices, "kv_indices"),
                                                    (kv_last_page_len, "kv_last_page_len")))
     bt, lens = dev.empty((nreq, cols), np.int32, s), dev.empty((nreq,), np.int32, s)
     _k.launch_paged(ip, ix, lp, page_size, bt, lens, s)
