@@ -419,12 +419,15 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     test = mbar_try_wait if sm90 else mbar_test_wait
 
     @device_jit(forceinline=True)
+    def wait_phase(bar, b, par):
+        """Until the phase of parity ``par`` of mbarrier ``b`` has completed."""
+        while test(bar, b, par) == int32(0):
+            pass
+
+    @device_jit(forceinline=True)
     def wait_full(bar, gs):
         """Until stage ``gs`` of the stream has landed (phase ``gs // NB`` of ``full[gs % NB]``)."""
-        slot = uint32(gs) % UNB
-        par = (uint32(gs) // UNB) & U1
-        while test(bar, slot, par) == int32(0):
-            pass
+        wait_phase(bar, uint32(gs) % UNB, (uint32(gs) // UNB) & U1)
 
     @device_jit(forceinline=True)
     def page_id(u, solo_row, kstart_s, su, wunion, win, piece_, pages):
@@ -445,10 +448,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         rows); a lane's are at the same offsets on every page (``dst``, ``col``), so per page only
         its id is read. Word offsets are 64-bit: pools past 8 GiB of words overflow int32."""
         slot = uint32(gs) % UNB
-        if gs >= int32(NB):
-            par = ((uint32(gs) // UNB) - U1) & U1
-            while test(bar, NB + slot, par) == int32(0):
-                pass
+        if gs >= int32(NB):       # the buffer's previous stage released (``empty``)
+            wait_phase(bar, NB + slot, ((uint32(gs) // UNB) - U1) & U1)
         stage = uint32(sb + uint32(4 * SP * PW) * slot)
         q = pw
         while q < nq:
