@@ -19,8 +19,9 @@ Why, on the H200 (GPU-only ms): against the per-warp-M kernel in run 2, 4096 x 3
 ``bench/results/history/2026-11-29-fb253d2-selection-kernel-variants/bench_variants_run2.log``).
 This version (``cp.async`` pipeline, 4 warps; e41e8ec, session 4) against TensorRT-LLM's Triton
 kernel in that session's record run: 4096 x 32K 0.185 / 0.380, 8192 x 131K 1.298 / 2.653
-(``docs/kernels/index_scores.md``, "Versions"); in the session-6 record (``bench/results/latest.json``,
-``docs/benchmark.md``) 0.192 / 0.380 and 1.329 / 2.655. Why 4 warps and not 8: :func:`_keysm_shape`.
+(``docs/kernels/index_scores.md``, "Versions"); in the session-6 record
+(``bench/results/latest.json``, ``docs/benchmark.md``) 0.192 / 0.380 and 1.329 / 2.655. Why 4
+warps and not 8: :func:`_keysm_shape`.
 """
 import functools
 import math
