@@ -11,6 +11,15 @@ consecutive entries -- for a selection as the expansion stage writes it (ascendi
 the tail) a chunk is exactly one logical group, the "virtual page" of spec §7 -- and the online
 softmax updates its running max, rescales, then adds the chunk's terms in order. The page-4 grouped
 route (:mod:`numqsa.kernels.page4`) uses the same per-page chunking.
+
+Route: the generic attention, on every architecture: float32 and mixed dtypes, page sizes not a
+multiple of ``r``, bfloat16 on sm_70, ``NUMQSA_PAGE4=0``, the rows the page-4 plan leaves inert (a
+selection not of whole groups), and on sm_70 float16 below 4096 rows (``page4_min_rows``: the
+seed's V100 crossover, never re-measured). Everywhere else a page-4 kernel wins, as this one is
+fp32-FMA bound (2.3 TFLOP/s, each row re-reading its K/V; ``docs/kernels/attention.md``). On the
+H200 (GPU-only ms, 32K context, 2051 selected), grouped kernel / this one: 1 row 0.095 / 3.03,
+16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (``docs/kernels/grouped.md``, v3); the seed measured
+the page-4 route 3.15x faster than this one on a V100 at 4096 rows (``docs/kernels/page4.md``).
 """
 import functools
 import math

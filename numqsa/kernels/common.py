@@ -1,5 +1,9 @@
 """Device helpers shared by every stage: the batch description of spec §1 read on the device, and
-bfloat16 element conversions."""
+bfloat16 element conversions.
+
+Every route uses them on every architecture, sm_70 included (the bfloat16 conversions are integer
+arithmetic); no kernel of its own, so no route to choose.
+"""
 import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, uint32

@@ -3,6 +3,8 @@
 Saturating keeps each value's meaning under spec §1 where wrapping would not: a request id or page id
 beyond int32 stays out of range (inert row / invalid page), a position beyond it stays past the end
 (clamped to the last token), a negative one stays negative (inert).
+
+Every architecture; launched by ``QSAPrefillWrapper.plan`` for int64 metadata; no route to choose.
 """
 import functools
 

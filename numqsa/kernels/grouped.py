@@ -28,6 +28,16 @@ are loaded from.
 
 Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * (D * 2 + 16)`` bytes of dynamic memory (D 256, NB 6,
 SP 8: 198 KB): token rows padded by 16 bytes against bank conflicts (:func:`row_words`).
+
+Route: the attention of every row count on sm_80 and sm_90, for float16 and bfloat16 with
+``r = 4`` and 16-byte aligned caches with a contiguous D axis; sm_70 and unaligned caches take
+:mod:`numqsa.kernels.page4`'s kernel, float32 and mixed dtypes :mod:`numqsa.kernels.attention`.
+``NB`` is 6 on sm_90 and 4 on sm_80 (not measured on an A100). Why, on the H200 (GPU-only ms, 32K
+context, 2051 selected; ``docs/kernels/grouped.md``): against the generic kernel 1 row 0.095 /
+3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (v3: ``page4_min_rows = 1`` in
+``numqsa/plan.py``); against the token-major page-4 kernel 4-8x faster below 512 rows and 8-11%
+slower at the large shapes, kept because one route for every row count keeps a row's bits
+independent of the batch. The shipped kernel (v10) in its probe: 4096 x 32K 1.309, 1 x 32K 0.052.
 """
 import functools
 import math

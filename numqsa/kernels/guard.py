@@ -10,6 +10,10 @@ are not read back by default, so this kernel checks them on the device and write
 inert through the spec §1 rule it already applies (:func:`numqsa.kernels.common.row_state`): scores
 ``-inf``, no groups, no tail, count 0, so attention gives ``out = 0``, ``lse = -inf``. The rule is
 :func:`oracle.batch.bad_page_rows`'s.
+
+Every architecture; launched (by ``index_scores``, ``select``, ``qsa_prefill`` and the wrapper's
+``run`` / ``run_select``) only for tables the host did not check; no route to choose. Its time has
+not been measured in a record run yet (``docs/benchmark.md``).
 """
 import functools
 

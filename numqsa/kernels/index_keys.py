@@ -11,6 +11,10 @@ bfloat16 (any architecture: integer conversions) arrives as uint16 bit views
 store -- TensorRT-LLM's chain (fp32 norm, one rounding on storage), spec §3. ``emulate`` rounds the
 pooled mean to float16 or bfloat16 before the norm, as the references do (the oracle's
 ``emulate_dtype``).
+
+Both run on every architecture (sm_70 included), once per layer upstream of the wrapper; no route
+to choose, and no timing recorded (the benchmark starts from finished index queries and keys:
+``docs/kernels/index_keys.md``).
 """
 import functools
 import math

@@ -6,6 +6,8 @@
   beyond ``qsl[num_reqs]`` (padding) get ``req = -1, position = -1`` (inert).
 - :func:`make_paged_kernel`: FlashInfer's ``kv_indptr / kv_indices / kv_last_page_len`` ->
   ``block_table [num_reqs, cols]`` (-1 past a request's pages) and ``seq_lens``.
+
+Both run on every architecture, one kernel per hand-over format; no route to choose.
 """
 import functools
 

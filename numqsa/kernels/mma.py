@@ -52,6 +52,11 @@ halves of the scratch, so the next call cannot overwrite what a slow lane still 
 
 On the GPU ``scratch`` and ``lane`` are ignored and :data:`SCRATCH_WORDS` is 1, so the scratch
 costs nothing there (the unused shared array is optimised away).
+
+Users: m16n8k16 (sm_80+) by the index scores' tiled, keys-as-M and direct kernels
+(:mod:`numqsa.kernels.index_scores`), the grouped attention (:mod:`numqsa.kernels.grouped`) and the
+page-4 kernel on unaligned caches; m8n8k4 by the sm_70 tiled scores and page-4 kernels. Each of
+those modules' docstrings cites the measurement that chose its route.
 """
 import functools
 import threading

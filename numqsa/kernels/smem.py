@@ -31,6 +31,11 @@ arithmetic stays 32-bit.
 Simulator stand-ins: the copies are synchronous; the warp-wide ones exchange through the warp's mma
 scratch row with the mma module's per-warp barrier, so (as for the mma stand-ins) all 32 lanes of a
 warp call them together and different warps may make different numbers of calls.
+
+Architectures: ``cp.async`` and mbarriers sm_80+, ``ldmatrix`` / ``movmatrix`` sm_75+, ``try_wait``
+sm_90; its users are sm_80+ kernels only: the keys-as-M index scores
+(:mod:`numqsa.kernels.index_scores.keysm`) and the grouped attention
+(:mod:`numqsa.kernels.grouped`).
 """
 import functools
 import threading

@@ -16,6 +16,14 @@ row length (:func:`topk_route`):
 
 Scores are read as their uint32 bit patterns (a float32 array viewed as uint32); ``-0.0`` counts as
 ``+0.0``. A NaN score ranks above every number, NaNs tying (lowest group ids first), as in the oracle.
+
+Every architecture; the register kernel's block is 512 threads x 16 keys on sm_80+ and 1024 x 8 on
+sm_70, where 512 x 16 spills (``TopkProfile.register_threads``, the resource report). Why these
+routes, on the H200 (GPU-only ms; ``docs/kernels/topk.md``): the register kernel's record at
+4096 x 32K is 0.209 against ``torch.topk``'s 0.634, where the bitmap kernel took 0.372 (session
+4); the bitmap kernel against radix in run 2, 4096 x 32K 0.368 / 0.454 and 8192 x 131K 1.609 /
+4.146 (``bench/results/history/2026-11-29-fb253d2-selection-kernel-variants/``). Radix takes the
+rows past the bitmap kernel's 32,768 groups.
 """
 import functools
 
