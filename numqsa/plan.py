@@ -26,8 +26,6 @@ class ScoresProfile:
     tile_rows: int = 64        # query rows per block of the tiled route
     tile_keys: int = 64        # compressed keys staged in shared memory per step
     warps: int = 4
-    tiled_min_rows: int = 512  # issue 3 default admission: rows ...
-    tiled_min_elems: int = 1 << 20  # ... and score elements (rows x groups)
 
 
 @dataclass(frozen=True)
@@ -46,8 +44,6 @@ class AttentionProfile:
     group_rows: int = 8        # query rows sharing K/V pages in the page-4 route: one warp per row;
                                # 16 warps x ~160 registers do not fit an SM (resource report)
     threads: int = 128
-    page4_min_rows: int = 4096  # seed's V100 crossover; re-measured per arch in docs/kernels/page4.md
-
 
 
 @dataclass(frozen=True)
@@ -73,31 +69,30 @@ PROFILES = {
         topk=TopkProfile(register_threads=1024),
         # 4 rows per group: 4 warps x 198 registers and 47.9 KB static shared memory give 2 resident
         # blocks per V100 SM; 8 rows fit only one (resource report, page4_m8n8k4_g4 / _g8).
-        attention=AttentionProfile(mma="m8n8k4", group_rows=4, page4_min_rows=4096),
+        attention=AttentionProfile(mma="m8n8k4", group_rows=4),
     ),
     "sm_80": ArchProfile(
         name="sm_80", cc=(8, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=164 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=108,
         scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        # as sm_90 (one route for every row count keeps a row's bits batch-independent); the
-        # grouped kernel takes 4 ring stages here (164 KB). Not measured on an A100.
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
+        # the grouped kernel takes 4 ring stages here (164 KB). Not measured on an A100.
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
     ),
     "sm_90": ArchProfile(  # H200: 132 SMs, 228 KB smem/SM
         name="sm_90", cc=(9, 0), has_bf16=True, max_static_smem=48 * 1024,
         smem_per_sm=228 * 1024, regs_per_sm=65536, max_threads_per_sm=2048, sm_count=132,
-        # tiled admission: H200, keys-as-M kernel (8 warps, before its cp.async pipeline) vs
-        # light, GPU-only ms behind a spin (.gpu/scores_probe.py, session 3): 1 x 32K ctx 0.015 /
-        # 0.023, 4 x 32K 0.015 / 0.027, 16 x 32K 0.016 / 0.037, 1 x 131K 0.030 / 0.049, 16 x 131K
-        # 0.032 / 0.111, 256 x 131K 0.115 / 1.42; earlier 512 x 32K 0.079 / 0.796: tiled wins at
-        # every point, so from 1 row (the pipelined 4-warp kernel: 1 x 131K 0.017)
-        scores=ScoresProfile(mma="m16n8k16", tiled_min_rows=1, tiled_min_elems=0),
+        # tiled at every row count also wins on speed here: H200, keys-as-M kernel (8 warps, before
+        # its cp.async pipeline) vs light, GPU-only ms behind a spin (.gpu/scores_probe.py, session
+        # 3): 1 x 32K ctx 0.015 / 0.023, 4 x 32K 0.015 / 0.027, 16 x 32K 0.016 / 0.037, 1 x 131K
+        # 0.030 / 0.049, 16 x 131K 0.032 / 0.111, 256 x 131K 0.115 / 1.42; earlier 512 x 32K 0.079 /
+        # 0.796 (the pipelined 4-warp kernel: 1 x 131K 0.017)
+        scores=ScoresProfile(mma="m16n8k16"),
         topk=TopkProfile(),
-        # page4_min_rows: the grouped kernel (numqsa.kernels.grouped) wins from one row: H200, 32K
-        # context, 2051 selected, GPU-only ms (bench/attention_probe.py, docs/kernels/grouped.md "grouped
-        # v3"), grouped / generic: 1 row 0.095 / 3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29
-        attention=AttentionProfile(mma="m16n8k16", group_rows=8, page4_min_rows=1),
+        # page-4 at every row count also wins on speed here: H200, 32K context, 2051 selected,
+        # GPU-only ms (bench/attention_probe.py, docs/kernels/grouped.md "grouped v3"), grouped /
+        # generic: 1 row 0.095 / 3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29
+        attention=AttentionProfile(mma="m16n8k16", group_rows=8),
     ),
 }
 
@@ -138,30 +133,30 @@ class AttentionPlan:
     reason: str
 
 
+# One route per stage at every batch size: routes of different arithmetic on either side of a row
+# count would give a row other bits when other rows join its batch (contract §6). ``rows`` and
+# ``num_groups`` size the launches, never the route; what a route cannot take (dtypes,
+# alignment, bfloat16 on sm_70) falls back by the problem's layout at launch, not by its size.
+
 def plan_select(rows, num_groups, cc):
-    """Route the index-score stage: tensor-core tiles for long prefill work, light kernel otherwise."""
+    """Route the index-score stage: the tiled tensor-core kernels, unless ``NUMQSA_INDEXER_TILED=0``
+    (the light fp32 kernel, also the launch-time fallback: ``index_scores.tiled_supported``)."""
     prof = arch_profile(cc)
-    sp = prof.scores
     if not _env_flag("NUMQSA_INDEXER_TILED"):
         return SelectPlan(prof, "light", "NUMQSA_INDEXER_TILED=0")
-    if rows < sp.tiled_min_rows:
-        return SelectPlan(prof, "light", f"rows {rows} < {sp.tiled_min_rows}")
-    if rows * num_groups < sp.tiled_min_elems:
-        return SelectPlan(prof, "light", f"rows*groups {rows * num_groups} < {sp.tiled_min_elems}")
-    return SelectPlan(prof, "tiled", f"rows {rows} >= {sp.tiled_min_rows}")
+    return SelectPlan(prof, "tiled", "one route at every batch size")
 
 
 def plan_attention(rows, cc, page_size=None, r=4):
-    """Route sparse attention: page-4 grouped kernel from ``page4_min_rows`` rows, else generic."""
+    """Route sparse attention: the page-4 plan and its tensor-core kernel, unless ``NUMQSA_PAGE4=0``
+    or pages are not whole groups (the generic kernel; also the launch-time fallback for dtypes and
+    rows the page-4 plan cannot express)."""
     prof = arch_profile(cc)
-    ap = prof.attention
     if not _env_flag("NUMQSA_PAGE4"):
         return AttentionPlan(prof, "generic", "NUMQSA_PAGE4=0")
     if page_size is not None and page_size % r:
         return AttentionPlan(prof, "generic", f"page_size {page_size} not a multiple of r={r}")
-    if rows < ap.page4_min_rows:
-        return AttentionPlan(prof, "generic", f"rows {rows} < {ap.page4_min_rows}")
-    return AttentionPlan(prof, "page4", f"rows {rows} >= {ap.page4_min_rows}")
+    return AttentionPlan(prof, "page4", "one route at every batch size")
 
 
 def with_overrides(profile, **stage_fields):

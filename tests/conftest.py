@@ -38,7 +38,8 @@ def pytest_configure(config):
         fd, path = tempfile.mkstemp(prefix="numqsa-device-", suffix=".lock")
         os.close(fd)
         os.environ["NUMQSA_DEVICE_LOCK"] = path
-        config.add_cleanup(lambda: os.path.exists(path) and os.unlink(path))
+        config.add_cleanup(lambda: [os.unlink(p) for p in (path, path + ".gate")
+                                    if os.path.exists(p)])
     _spread(config)
 
 
@@ -52,11 +53,13 @@ def _spread(config):
             or getattr(opt, "numprocesses", None) is not None or opt.dist != "no"
             or opt.collectonly or opt.usepdb):
         return
-    n = os.cpu_count() or 1
-    if not SIMULATOR:
-        n = min(n, GPU_WORKERS)
+    cpus = os.cpu_count() or 1
+    n = cpus if SIMULATOR else min(cpus, GPU_WORKERS)
     if n > 1:
         opt.numprocesses, opt.dist, opt.tx = n, "worksteal", ["popen"] * n
+        # the float64 oracle's matmuls: a share of the CPUs per process, not every CPU in each
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, str(max(1, cpus // n)))
 
 
 def pytest_report_header(config):
@@ -105,17 +108,23 @@ def pytest_collection_finish(session):
 def _device_lock(request):
     """GPU tests spread over processes share the device: each holds a shared lock on it for its
     run, a test marked ``device_alone`` (one that reads device-wide state, such as free memory) an
-    exclusive one, so that no other process launches or allocates meanwhile."""
+    exclusive one, so that no other process launches or allocates meanwhile. A gate lock keeps the
+    exclusive request from starving: while it waits, no test starts."""
     path = os.environ.get("NUMQSA_DEVICE_LOCK")
     if SIMULATOR or "gpu" not in request.keywords or not path or not os.path.exists(path):
         yield
         return
-    with open(path) as f:
-        fcntl.flock(f, fcntl.LOCK_EX if "device_alone" in request.keywords else fcntl.LOCK_SH)
+    alone = "device_alone" in request.keywords
+    with open(path + ".gate", "a") as gate, open(path) as device:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(device, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(device, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture

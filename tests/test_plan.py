@@ -28,20 +28,20 @@ def test_forced_arch(monkeypatch):
 
 
 def test_select_routes(monkeypatch):
-    sp = plan.arch_profile((7, 0)).scores
-    big = plan.plan_select(sp.tiled_min_rows, sp.tiled_min_elems // sp.tiled_min_rows, (7, 0))
-    assert big.scores_route == "tiled"
-    assert plan.plan_select(sp.tiled_min_rows - 1, 1 << 20, (7, 0)).scores_route == "light"
-    assert plan.plan_select(sp.tiled_min_rows, 1, (7, 0)).scores_route == "light"
-    # sm_90: the keys-as-M kernel won at every measured size, from one row
-    assert plan.plan_select(1, 1, (9, 0)).scores_route == "tiled"
+    """One score route per architecture at every batch size (a row-count threshold between two
+    routes of different arithmetic would give a row other bits when rows join its batch)."""
+    for prof in plan.PROFILES.values():
+        routes = {plan.plan_select(rows, groups, prof.cc).scores_route
+                  for rows in (1, 7, 511, 512, 1 << 16) for groups in (1, 2048, 1 << 18)}
+        assert routes == {"tiled"}, prof.name
     monkeypatch.setenv("NUMQSA_INDEXER_TILED", "0")
     assert plan.plan_select(1 << 16, 1 << 16, (9, 0)).scores_route == "light"
 
 
 def test_attention_routes(monkeypatch):
-    ap = plan.arch_profile((7, 0)).attention
-    assert plan.plan_attention(ap.page4_min_rows, (7, 0)).route == "page4"
-    assert plan.plan_attention(ap.page4_min_rows - 1, (7, 0)).route == "generic"
+    for prof in plan.PROFILES.values():
+        routes = {plan.plan_attention(rows, prof.cc, 64).route for rows in (1, 4095, 4096, 1 << 20)}
+        assert routes == {"page4"}, prof.name
+    assert plan.plan_attention(1, (9, 0), page_size=6).route == "generic"   # pages not whole groups
     monkeypatch.setenv("NUMQSA_PAGE4", "0")
     assert plan.plan_attention(1 << 20, (7, 0)).route == "generic"
