@@ -14,8 +14,9 @@ route (:mod:`numqsa.kernels.page4`) uses the same per-page chunking.
 
 Route: the generic attention, on every architecture: float32 and mixed dtypes, page sizes not a
 multiple of ``r``, bfloat16 on sm_70, ``NUMQSA_PAGE4=0``, the rows the page-4 plan leaves inert (a
-selection not of whole groups), and on sm_70 float16 below 4096 rows (``page4_min_rows``: the
-seed's V100 crossover, never re-measured). Everywhere else a page-4 kernel wins, as this one is
+selection not of whole groups). Never by row count: a threshold between this kernel and a page-4
+one would give a row other bits when rows join its batch (``numqsa/plan.py``; until this change
+sm_70 took this kernel below 4096 rows, the seed's V100 crossover). A page-4 kernel wins, as this is
 fp32-FMA bound (2.3 TFLOP/s, each row re-reading its K/V; ``docs/kernels/attention.md``). On the
 H200 (GPU-only ms, 32K context, 2051 selected), grouped kernel / this one: 1 row 0.095 / 3.03,
 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (``docs/kernels/grouped.md``, v3); the seed measured

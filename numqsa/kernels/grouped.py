@@ -34,7 +34,7 @@ Route: the attention of every row count on sm_80 and sm_90, for float16 and bflo
 :mod:`numqsa.kernels.page4`'s kernel, float32 and mixed dtypes :mod:`numqsa.kernels.attention`.
 ``NB`` is 6 on sm_90 and 4 on sm_80 (not measured on an A100). Why, on the H200 (GPU-only ms, 32K
 context, 2051 selected; ``docs/kernels/grouped.md``): against the generic kernel 1 row 0.095 /
-3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (v3: ``page4_min_rows = 1`` in
+3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (v3: the page-4 route from one row in
 ``numqsa/plan.py``); against the token-major page-4 kernel 4-8x faster below 512 rows and 8-11%
 slower at the large shapes, kept because one route for every row count keeps a row's bits
 independent of the batch. The shipped kernel (v10) in its probe: 4096 x 32K 1.309, 1 x 32K 0.052.

@@ -6,8 +6,9 @@ A row whose ids are not of that shape or that needs a page id outside the cache 
 (``num_vpages = 0``), so the attention kernel never reads out of bounds.
 
 Route: the plan runs for the page-4 route on every architecture. The attention kernel serves sm_70
-(m8n8k4, float16, from 4096 rows: ``page4_min_rows``, the seed's V100 crossover, never re-measured;
-the seed measured the page-4 route 3.15x faster than the generic kernel on a V100 at 4096 rows)
+(m8n8k4, float16, at every row count: one route keeps a row's bits independent of its batch; the
+seed measured the page-4 route 3.15x faster than the generic kernel on a V100 at 4096 rows and
+took it only from there, which made a row's bits depend on the batch size)
 and, on sm_80+, caches whose rows are not 16-byte aligned (m16n8k16 with element loads). On sm_80+
 with aligned caches :mod:`numqsa.kernels.grouped` replaced it: 4-8x faster below 512 rows, 8-11%
 slower at the large shapes, one route for every row count (``docs/kernels/page4.md``, "Versions").

@@ -10,9 +10,9 @@ back if the query was NumPy, else device arrays. :func:`page4_plan` and :func:`p
 the stage's two halves as public functions: each mirrors its :mod:`oracle` namesake argument for
 argument, adding ``out=``, ``stream=`` (and ``out_dtype=`` for the attention outputs).
 
-Routes: the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and, from the
-profile's ``page4_min_rows`` rows on (every row count on sm_80/sm_90), the page-4 plan plus a grouped
-tensor-core kernel: :mod:`numqsa.kernels.grouped` on sm_80+ (16-byte aligned caches), else the
+Routes, one per problem layout and never by row count (a row's bits must not depend on its batch):
+the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and the page-4 plan
+plus a grouped tensor-core kernel: :mod:`numqsa.kernels.grouped` on sm_80+ (16-byte aligned caches), else the
 m8n8k4 / element-load kernel of :mod:`numqsa.kernels.page4`. ``NUMQSA_PAGE4=0`` forces the generic
 route.
 """

@@ -8,10 +8,9 @@ a row's scores do not depend on the batch it is in. :func:`direct_route` picks i
 most ``DIRECT_ROWS`` rows or ``DIRECT_SCORES`` scores;
 :func:`~numqsa.kernels.index_scores.keysm.launch_keysm` launches it.
 
-Where it runs: sm_90, decode and short blocks (the sm_90 profile admits the tiled route from one
-row). On sm_80 the tiled admission (512 rows and 2^20 score elements) and :func:`direct_route`
-(8 rows or 2^18 scores) never overlap, so no call routed by :func:`numqsa.plan.plan_select`
-reaches this kernel there; only a direct ``launch_keysm`` / ``launch_tiled`` call does.
+Where it runs: sm_80 and sm_90, decode and short blocks (the tiled route at every row count);
+it and the keys-as-M kernel give a row the same bits, so the switch between them by block size
+keeps a row's scores independent of its batch.
 
 Why, on the H200 (GPU-only ms, no L2 flush; direct / shared-memory keys-as-M / TensorRT-LLM,
 session 6, ``docs/kernels/index_scores.md`` "Versions", direct v1): 1 x 32K 0.0070 / 0.0125 /

@@ -11,8 +11,7 @@ caches as 32-bit words (:func:`word_view`, :func:`_flat_words`) where their layo
 elements otherwise.
 
 Where it runs: sm_80 and sm_90 with ``Hi`` 1, 2, 4, score blocks of more than 8 rows and 2^18
-scores; on sm_90 (tiled from one row) every such block, on sm_80 those the tiled admission takes
-(512 rows and 2^20 score elements). It scores the shipped large shapes.
+scores (the tiled route at every row count). It scores the shipped large shapes.
 
 Why, on the H200 (GPU-only ms): against the per-warp-M kernel in run 2, 4096 x 32K 0.356 / 0.913,
 8192 x 131K 2.647 / 6.906 (an earlier 8-warp version; ``scores.keysm.w8`` / ``scores.generic`` in

@@ -3,18 +3,16 @@
 :func:`make_light_scores_kernel` keeps a block's ``TR`` query rows (all heads) in shared memory and
 walks its keys in tiles of ``TK``; :func:`launch_light` launches it over a whole score block.
 
-Where it runs (:func:`numqsa.plan.plan_select`, then ``_launch_scores`` in ``numqsa/selection.py``):
+Where it runs (:func:`numqsa.plan.plan_select`, then ``_launch_scores`` in
+``numqsa/stages/selection.py``), never chosen by batch size (a row's bits would then depend on its
+batch; sm_70 and sm_80 took it below 512 rows and 2^20 scores until that was found):
 
-- sm_70 and sm_80 below the tiled admission of 512 rows and 2^20 score elements
-  (``ScoresProfile.tiled_min_rows`` / ``tiled_min_elems``: issue 3's default, measured on neither
-  a V100 nor an A100; ``docs/pipeline.md``, "Routes per architecture");
 - inputs no tensor-core kernel takes (:func:`~numqsa.kernels.index_scores.tiled.tiled_supported`):
   float32 or mixed dtypes, bfloat16 on sm_70, ``Hi`` not in 1, 2, 4, 8, 16, ``Di`` not a multiple
   of 16;
 - everything under ``NUMQSA_INDEXER_TILED=0``.
 
-On sm_90 it is only that fallback: the tensor-core route beat it at every size measured on the
-H200, so the sm_90 profile admits tiled from one row. GPU-only ms, tiled / light: run 1 (the
+It is only that fallback; on the H200 the tensor-core route also beat it at every size measured. GPU-only ms, tiled / light: run 1 (the
 per-warp-M kernel) 1024 x 32K 0.705 / 1.423, 4096 x 32K 2.723 / 5.233
 (``bench/results/history/2026-11-29-467347a-first-correct-kernels/bench_selection.log``); run 2
 64 x 32K 0.051 / 0.136, 512 x 32K 0.079 / 0.796

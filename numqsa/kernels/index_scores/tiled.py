@@ -9,8 +9,8 @@ warp with M = 16 (query row, head) pairs, N = keys, K = Di; ReLU and the head su
 
 Where this kernel runs:
 
-- sm_70 (V100): m8n8k4, the V100's only tensor-core op, float16 only, from 512 rows and 2^20
-  score elements (issue 3's default admission, never measured on a V100; the H200 runs m8n8k4
+- sm_70 (V100): m8n8k4, the V100's only tensor-core op, float16 only, at every row count (one
+  route keeps a row's bits independent of its batch; never timed on a V100; the H200 runs m8n8k4
   emulated, correct but slow: :mod:`numqsa.kernels.mma`);
 - sm_80+: m16n8k16 (float16 or bfloat16) with ``Hi`` 8 or 16, which the keys-as-M kernels do not
   take; the repository has no timing at those head counts (the benchmark's workload is ``Hi`` 4).
