@@ -15,7 +15,7 @@ from oracle.batch import row_states
 from oracle.selection import gather_index_keys
 
 __all__ = ["Tolerance", "TOLERANCES", "UNIT_ROUNDOFF", "float32_sum_tolerance", "compare", "assert_matches_oracle",
-           "assert_selection_matches", "groups_of_tokens", "poison", "to_device", "INT_POISON",
+           "assert_selection_matches", "assert_prefill_matches_oracle", "groups_of_tokens", "poison", "to_device", "INT_POISON",
            "sum_in", "index_scores_accumulating_in", "sparse_attention_accumulating_in",
            "matmul_accumulating_in"]
 
@@ -169,6 +169,20 @@ def groups_of_tokens(tokens, counts, Kb, r=4):
         g = g[r * np.arange(g.size) + r - 1 < counts[i]]
         groups[i, :g.size] = g
     return groups
+
+
+def assert_prefill_matches_oracle(p, out, lse, tokens, counts, Kb):
+    """A prefill's results on problem ``p`` (a :func:`oracle.problems.make_problem` dict, host
+    arrays): the selection by spec §8 (its groups read back from its tokens), then the attention
+    over that selection."""
+    batch = (p["req_ids"], p["positions"], p["seq_lens"])
+    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
+    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
+                             Kb=Kb)
+    ref, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
+                                           tokens, counts, p["req_ids"], p["seq_lens"])
+    assert_matches_oracle(out, ref, dtype=p["q"].dtype, what="out")
+    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
 
 
 def poison(x):

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 import numqsa
-import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison
+from numqsa.testing import assert_prefill_matches_oracle, poison
 from oracle.problems import make_problem
 
 ARGS = ("qi", "index_cache", "index_block_table", "q", "k_cache", "v_cache", "block_table",
@@ -28,15 +27,7 @@ def host(x):
 
 
 def check_against_oracle(p, result, Kb):
-    out, lse, tokens, counts = result
-    batch = (p["req_ids"], p["positions"], p["seq_lens"])
-    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
-                             Kb=Kb)
-    ref_out, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
-                                               tokens, counts, p["req_ids"], p["seq_lens"])
-    assert_matches_oracle(out, ref_out, dtype=p["q"].dtype, what="out")
-    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
+    assert_prefill_matches_oracle(p, *result, Kb=Kb)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])

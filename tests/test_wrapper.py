@@ -6,7 +6,7 @@ from numba import cuda
 
 import numqsa
 import oracle
-from numqsa.testing import assert_matches_oracle, assert_selection_matches, groups_of_tokens, poison
+from numqsa.testing import assert_prefill_matches_oracle, poison
 from oracle.problems import make_problem
 
 GEOM = dict(Hi=2, Di=32, Hq=4, Hkv=2, D=32)
@@ -27,14 +27,7 @@ def layer(p):
 
 
 def check(p, out, lse, tokens, counts, Kb):
-    batch = (p["req_ids"], p["positions"], p["seq_lens"])
-    scores = oracle.index_scores(p["qi"], p["index_cache"], p["index_block_table"], *batch)
-    assert_selection_matches(groups_of_tokens(tokens, counts, Kb), tokens, counts, scores, *batch,
-                             Kb=Kb)
-    ref, ref_lse = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"],
-                                           tokens, counts, p["req_ids"], p["seq_lens"])
-    assert_matches_oracle(out, ref, dtype=p["q"].dtype, what="out")
-    assert_matches_oracle(lse, ref_lse, dtype="float32", what="lse")
+    assert_prefill_matches_oracle(p, out, lse, tokens, counts, Kb)
 
 
 def _poisoned(w, rows):

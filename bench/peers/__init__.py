@@ -10,16 +10,22 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
-def triton_missing():
-    """Why a Triton peer cannot run here (torch, triton or a CUDA GPU missing), or ``None``."""
+def torch_gpu_missing(needs="needs torch", probe=lambda: None):
+    """Why a torch peer cannot run here, or ``None``: ``probe()`` imports what else it needs (an
+    ImportError gives ``needs (error)``), and torch must see a CUDA GPU."""
     try:
         import torch
-        import triton  # noqa: F401
+        probe()
     except ImportError as err:
-        return f"needs torch and triton ({err})"
+        return f"{needs} ({err})"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (torch.cuda.is_available() is False)"
     return None
+
+
+def triton_missing():
+    """Why a Triton peer cannot run here (torch, triton or a CUDA GPU missing), or ``None``."""
+    return torch_gpu_missing("needs torch and triton", lambda: __import__("triton"))
 
 
 class Skip(Exception):

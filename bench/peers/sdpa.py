@@ -7,20 +7,17 @@ positions of their request, so the mask is causal aligned to the lower right
 fallback would materialise the full score matrix). Its check is against the oracle's dense attention
 (every token ``0..p``), and its floor counts the dense FLOP and one read of the context's K/V.
 """
-from . import Call, Skip
+from . import Call, Skip, torch_gpu_missing
 
 NAME = "sdpa"
 
 
+def _causal_lower_right():
+    from torch.nn.attention.bias import causal_lower_right  # noqa: F401
+
+
 def load(args):
-    try:
-        import torch
-        from torch.nn.attention.bias import causal_lower_right  # noqa: F401
-    except ImportError as err:
-        return f"needs torch >= 2.3 with causal_lower_right ({err})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    return None
+    return torch_gpu_missing("needs torch >= 2.3 with causal_lower_right", _causal_lower_right)
 
 
 def versions():

@@ -8,20 +8,14 @@
   ``scaled_dot_product_attention`` with a mask of the valid columns;
 - select / prefill: the chains of the above.
 """
-from . import Call, Skip
+from . import Call, Skip, torch_gpu_missing
 
 NAME = "torch"
 CHUNK = 512
 
 
 def load(args):
-    try:
-        import torch
-    except ImportError as err:
-        return f"torch is not installed ({err})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    return None
+    return torch_gpu_missing("torch is not installed")
 
 
 def versions():

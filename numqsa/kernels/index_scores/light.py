@@ -27,8 +27,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ...jit import SIMULATOR, jit
-from ..common import bits16, is_bf16, loader, row_state
-from .common import NEG_INF, light_keys_per_block, relu
+from ..common import bits16, is_bf16, loader
+from .common import NEG_INF, _stage_block_rows, light_keys_per_block, relu
 
 
 def _light_shape(hi, di):
@@ -83,14 +83,7 @@ def make_light_scores_kernel(hi, di, r, q_bf16=False, k_bf16=False):
         rpp = uint32(index_cache.shape[1])
         tcols = uint32(index_block_table.shape[1])
 
-        if tid < uint32(TR):
-            i = row0 + tid
-            rq = int32(-1)
-            nbv = int32(0)
-            if i < rows:
-                rq, p, nbv = row_state(i, req_ids, positions, seq_lens, r)
-            r_req[tid] = rq
-            r_nb[tid] = min(nbv, int32(ngroups))
+        _stage_block_rows(row0, tid, TR, rows, ngroups, req_ids, positions, seq_lens, r, r_req, r_nb)
         for idx in range(tid, uint32(QN), uint32(NT)):
             rr = idx // uint32(HI * DI)
             rem = idx - rr * uint32(HI * DI)
