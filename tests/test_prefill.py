@@ -147,8 +147,9 @@ def test_gpu_graph_replay_bitwise(seed):
     g.replay()
     torch.cuda.synchronize()
     replayed = [host(x) for x in captured]
-    eager = [host(x) for x in numqsa.qsa_prefill(*t, **{**kw, "workspace": numqsa.Workspace()})]
-    s.synchronize()
+    eager = numqsa.qsa_prefill(*t, **{**kw, "workspace": numqsa.Workspace()})
+    s.synchronize()               # the results are s's: read them only once s has finished
+    eager = [host(x) for x in eager]
     for a, b in zip(eager, replayed):
         np.testing.assert_array_equal(a, b)
 
