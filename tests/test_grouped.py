@@ -56,6 +56,31 @@ def test_grouped_inert_stale_rows(rng, monkeypatch):
     assert seen
 
 
+def test_grouped_piece_boundaries(rng, monkeypatch):
+    """Rows around the piece size (8 pages in the simulator, ``grouped_config``): shorter than one
+    piece, exactly one, one page past (the last piece takes the rest), one short of two, two, two
+    and one, three, three and one; tails of 0 to 3 tokens; two requests. Every row against the
+    oracle, and rows one page past a piece alone give the bits they give in the batch."""
+    seen = _calls(monkeypatch)
+    assert grouped.grouped_config(32, 6, 12, 26, 1, None).piece == 8
+    p = small_problem(rng, [120, 40], None, positions=[27, 30, 31, 32, 57, 63, 64, 65, 95, 98, 35, 39],
+                      req_ids=[0] * 10 + [1, 1])
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=30)
+    _, nv, tl = oracle.page4_plan(tokens, counts, p["block_table"], p["req_ids"], p["seq_lens"],
+                                  page_size=16, num_pages=p["k_cache"].shape[0])
+    assert nv.tolist() == [7, 8, 8, 9, 15, 16, 17, 17, 24, 25, 9, 10]
+    assert sorted(set(tl.tolist())) == [0, 1, 2, 3]
+    out, lse = run_attention(p, tokens, counts, "page4")
+    check(p, tokens, counts, out, lse)
+    sub = [3, 9, 6]
+    q = dict(p)
+    q.update(q=p["q"][sub], req_ids=p["req_ids"][sub], positions=p["positions"][sub])
+    o2, l2 = run_attention(q, tokens[sub], counts[sub], "page4")
+    np.testing.assert_array_equal(o2, out[sub])
+    np.testing.assert_array_equal(l2, lse[sub])
+    assert len(seen) == 2, "the grouped kernel did not run"
+
+
 def test_window_plan_marks_solo_rows_and_pieces(rng):
     """Random (low-overlap) selections spread chunks over more stages than the ring keeps: such rows
     are solo; rows of more than one piece are merged. The union holds each group once."""

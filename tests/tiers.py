@@ -77,6 +77,9 @@ SLOW = {
         "cache of the other generic-route tests",
     "test_grouped.py::test_grouped_matches_oracle[12 heads per KV head-seq_lens2-rows2-16-12-1-6-overlap]":
         "test_bf16.py::test_grouped_bf16_12_heads_d256 (12 heads per KV head in the grouped kernel)",
+    "test_grouped.py::test_grouped_piece_boundaries":
+        "test_grouped.py::test_grouped_matches_oracle[pieces and solo rows-...] (rows of 2-3 pieces "
+        "and a remainder, merged) and test_grouped_row_invariance (a row alone and in its batch)",
     "test_attention_kernels.py::test_invariances[sm_70-page4]":
         "test_grouped.py::test_grouped_row_invariance (batch composition and relocation on the "
         "route sm_80+ users get) and the page-4 kernel's sm_70 tests (its correctness)",
