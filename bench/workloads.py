@@ -98,6 +98,13 @@ def case_list(quick=False, smoke=False):
     cases.append(one(4096, 32768, ("attention",), "hybrid", "/p784", page_size=784))
     cases.append(one(4096, 32768, ("select", "attention", "prefill"), "bf16", "/bf16",
                      dtype="bfloat16"))
+    # issues 20 and 21: attention in bfloat16 at few rows, and the other tensor-parallel head
+    # shapes (TP8 3/1, TP2 12/1, 24/2) at few rows and at 4096 x 32K, beside the same peers
+    for rows in (1, 16, 256):
+        cases.append(one(rows, 32768, ("attention",), "bf16", "/bf16", dtype="bfloat16"))
+    for hq, hkv in ((3, 1), (12, 1), (24, 2)):
+        for rows in (1, 16, 256, 4096):
+            cases.append(one(rows, 32768, ("attention",), "heads", f"/h{hq}-{hkv}", Hq=hq, Hkv=hkv))
     if quick:
         keep = {"4096x32K", "16x131K", "mixed5", "4096x32K/concentrated", "4096x32K/p16-sel64",
                 "4096x32K/p784", "4096x32K/bf16"}
