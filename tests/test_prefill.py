@@ -26,10 +26,6 @@ def host(x):
     return x.cpu().numpy()
 
 
-def check_against_oracle(p, result, Kb):
-    assert_prefill_matches_oracle(p, *result, Kb=Kb)
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
 def test_prefill_numpy_matches_oracle(seed, layout, api_attention):
     p = make_problem([70, 41, 9], positions=[69, 68, 50, 40, 40, 2, -1, 3], req_ids=[0, 0, 0, 1, 1, 2, 0, 5],
@@ -38,7 +34,7 @@ def test_prefill_numpy_matches_oracle(seed, layout, api_attention):
     bufs = (poison(np.empty((8, 4, 32), np.float16)), poison(np.empty((8, 4), np.float32)))
     result = numqsa.qsa_prefill(*args(p), Kb=6, out=bufs)
     assert all(isinstance(x, np.ndarray) for x in result) and result[0] is bufs[0]
-    check_against_oracle(p, result, Kb=6)
+    assert_prefill_matches_oracle(p, *result, Kb=6)
     out, lse = result[:2]
     assert not out[6:].any() and np.isneginf(lse[6:]).all()       # inert rows
 
@@ -78,7 +74,7 @@ def test_gpu_prefill_matches_oracle(seed):
     result = [x.copy_to_host() for x in numqsa.qsa_prefill(*d)]
     rows = np.sort(np.random.default_rng(seed).choice(1024, 64, replace=False))
     sub = {k: (v[rows] if k in ("qi", "q", "req_ids", "positions") else v) for k, v in p.items()}
-    check_against_oracle(sub, [x[rows] for x in result], Kb=512)
+    assert_prefill_matches_oracle(sub, *[x[rows] for x in result], Kb=512)
 
 
 @pytest.mark.gpu
