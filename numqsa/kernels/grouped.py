@@ -53,7 +53,7 @@ from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, ldmatrix_x4, 
                    mbar_arrive, mbar_init, mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32,
                    warp_any)
 
-__all__ = ["GroupedConfig", "grouped_config", "make_window_plan_kernel", "make_grouped_kernel",
+__all__ = ["GroupedConfig", "grouped_config", "takes_head_dim", "make_window_plan_kernel", "make_grouped_kernel",
            "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
 
 #: No sm_70 build: cp.async and ldmatrix / movmatrix need sm_80 / sm_75; sm_70 runs the m8n8k4
@@ -64,6 +64,7 @@ PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4
 MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
 PRODUCERS = 2          # of them copy warps (one leaves the rows' warps waiting on data: session 8)
 SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
+CHUNK = 8              # own pages per online-softmax step: 32 tokens, two m16 halves (session 10)
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
 NEG_INF = float32(-math.inf)
@@ -115,7 +116,7 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
     if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        return GroupedConfig(d, hg, 2, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=1)
+        return GroupedConfig(d, hg, 3, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=1)
     pieces = pieces_of(kb1, PIECE)
     producers = TUNING.get("np", PRODUCERS)
     g = window_rows(hg, producers)
@@ -126,6 +127,14 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
     return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 256, piece=TUNING.get("pc", PIECE),
                          producers=producers)
+
+
+def takes_head_dim(d):
+    """Whether a producer lane's copies of a page fit the compile-time offsets of
+    :func:`make_grouped_kernel`: ``d / 8`` 16-byte chunks a token row dividing 32 or a multiple of
+    it (d 32, 64, 128, 256, 512, ...; TensorRT-LLM's kernel takes powers of two only)."""
+    n = int(d) // 8
+    return int(d) % 8 == 0 and n > 0 and (32 % n == 0 or n % 32 == 0)
 
 
 def row_words(d):
@@ -290,15 +299,15 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
                 base += int32(NBITS)
             w = we
         cuda.syncthreads()
-        # A chunk (own pages 4c..4c+3 of the piece) is consumed when its last page lands; its first
+        # A chunk (own pages 8c..8c+7 of the piece) is consumed when its last page lands; its first
         # page must still be in one of the KEEP readable stages, else the row runs solo.
         for x in range(cnt):
             row = first + x
             k0, k1 = _piece_range(snv[x], piece_, PC)
-            nch = (k1 - k0 + int32(3)) >> int32(2)
+            nch = (k1 - k0 + int32(CHUNK - 1)) // int32(CHUNK)
             for c in range(int32(tid), nch, int32(NT)):
-                ka = k0 + int32(4) * c
-                kz = min(ka + int32(3), k1 - int32(1))
+                ka = k0 + int32(CHUNK) * c
+                kz = min(ka + int32(CHUNK - 1), k1 - int32(1))
                 if int32(ownu[row, ka]) // int32(SP) + int32(KEEP - 1) < int32(ownu[row, kz]) // int32(SP):
                     cuda.atomic.or_(ssolo, 0, uint32(1) << uint32(x))
         cuda.syncthreads()
@@ -380,11 +389,13 @@ def _out_conv(out_kind):
 
 @functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
-                        producers=PRODUCERS, sm90=False):
+                        producers=PRODUCERS, sm90=False, slot_strides=None):
     """Grid ``(windows, pieces, Hkv)``, block ``32 * (rows_per_window * HT + producers)`` threads,
     dynamic shared memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V);
     ``out_kind`` "f32", "f16" or "bf16" (the last written as uint16 bits). ``sm90``: waits sleep
-    (``mbarrier.try_wait``) instead of polling.
+    (``mbarrier.try_wait``) instead of polling. ``slot_strides``: the K and V caches' word strides
+    between a page's token rows (compile-time, so a producer lane's copies of a page sit at immediate
+    offsets from one address; default: contiguous ``[pages, page_size, 1, d]``).
 
     Warps ``0 .. G*HT-1`` are the rows' (consumers); the last ``producers`` warps only copy. Stage
     ``s`` of the block's stream (every phase's stages in one sequence) goes to ring buffer
@@ -410,9 +421,15 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     OWNMAX = 2 * PC                    # own pages of one piece, at most (the last takes the rest)
     VOFF = RP * PW                     # V region offset (words)
     NCH16 = D // 8                     # 16-byte chunks per token row
-    IPP = 2 * 4 * NCH16                # 16-byte copies per page (K and V, 4 token rows)
-    IPL = -(-IPP // 32)                # of them per producer lane
-    KSPLIT = (4 * NCH16) % 32 == 0     # a lane's copies of a page: the first 4*NCH16/32 K, the rest V
+    if not (32 % NCH16 == 0 or NCH16 % 32 == 0):
+        raise ValueError(f"the grouped kernel's copy lanes need d / 8 to divide or be a multiple of 32, "
+                         f"got d = {D}")
+    HALF = 4 * NCH16                   # 16-byte copies of a page's K (and of its V): 4 token rows
+    IPH = -(-HALF // 32)               # of them per producer lane
+    WIDE = NCH16 > 32                  # a lane's copies: chunks c0 + 32 m of rows; else rows r0 + RPI i
+    CPR = NCH16 // 32 if WIDE else 1   # copies of one token row per lane (wide rows)
+    RPI = 1 if WIDE else 32 // NCH16   # token rows one copy instruction covers (narrow rows)
+    KS1, VS1 = (int(x) for x in (slot_strides or (D // 2, D // 2)))
     UCAP = G * OWNMAX                  # union entries of one piece, at most (launch_grouped's cap)
     # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
     # load there stalls on long scoreboard), when they fit beside the ring
@@ -450,33 +467,39 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     @device_jit(forceinline=True)
     def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, piece_, pages, kw, vw,
-                ks0, ks1, vs0, vs1, dst, col, pw, lane):
+                ks0, vs0, lk, lv, ld, copies, pw):
         """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
         ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer lane has released the
         buffer's previous stage; then one arrival of each lane on ``full`` when its copies land.
-        A page is ``IPP`` copies of 16 bytes (K and V, 4 token rows, chunks fastest: coalesced
-        rows); a lane's are at the same offsets on every page (``dst``, ``col``), so per page only
-        its id is read. Word offsets are 64-bit: pools past 8 GiB of words overflow int32."""
+        A page's K (then its V) is ``HALF`` copies of 16 bytes (4 token rows, chunks fastest:
+        coalesced rows). A lane's copies sit at its own offsets (``lk``, ``lv`` words in the caches,
+        ``ld`` bytes in the ring) plus compile-time ones, the same on every page: per page it reads
+        the page id and forms two addresses. Cache offsets are 64-bit: pools past 8 GiB of words
+        overflow int32. ``copies``: whether the lane copies (lanes past ``HALF`` idle)."""
         slot = uint32(gs) % UNB
         if gs >= int32(NB):       # the buffer's previous stage released (``empty``)
             wait_phase(bar, NB + slot, ((uint32(gs) // UNB) - U1) & U1)
-        stage = uint32(sb + uint32(4 * SP * PW) * slot)
+        stage = uint32(sb + uint32(4 * SP * PW) * slot + ld)
         q = pw
         while q < nq:
             pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, piece_, pages)
             # 32 x 32 -> 64-bit products (the host checks the word strides fit int32)
-            bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(int32(ks1))
-            bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(int32(vs1))
+            bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(KS1) + lk
+            bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(VS1) + lv
             page = uint32(stage + uint32(16 * RW) * uint32(q))
             q = int32(q + int32(NPW))
-            for i in range(IPL):
-                e = lane + uint32(32 * i)
-                if IPP % 32 == 0 or e < uint32(IPP):
-                    isv = i >= IPL // 2 if KSPLIT else e >= uint32(4 * NCH16)
-                    if isv:
-                        cp_async_16(dyn, uint32(page + dst[i]), vw, bv + col[i], 16)
-                    else:
-                        cp_async_16(dyn, uint32(page + dst[i]), kw, bk + col[i], 16)
+            if copies:
+                for i in range(IPH):
+                    # token row dr and chunk dc of the lane's i-th copy, past its own: constants
+                    dr = i // CPR if WIDE else i * RPI
+                    dc = 32 * (i % CPR) if WIDE else 0
+                    cp_async_16(dyn, uint32(page + uint32(4 * RW * dr + 16 * dc)), kw,
+                                bk + int64(dr * KS1 + 4 * dc), 16)
+                for i in range(IPH):
+                    dr = i // CPR if WIDE else i * RPI
+                    dc = 32 * (i % CPR) if WIDE else 0
+                    cp_async_16(dyn, uint32(page + uint32(4 * VOFF + 4 * RW * dr + 16 * dc)), vw,
+                                bv + int64(dr * VS1 + 4 * dc), 16)
         cp_async_mbar_arrive(bar, slot)
 
     @device_jit(forceinline=True)
@@ -490,30 +513,43 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         return waited
 
     def make_pv(masked):
-        """O^T += V^T P^T over the chunk's 16 tokens, V rows ANDed with the token masks when
-        ``masked`` (a compile-time choice: the full chunks skip the 64 masking instructions)."""
+        """O^T += V^T P^T over the chunk's 32 tokens: two k-steps of 16 (the halves' V rows at
+        ``vbase0`` / ``vbase1``, P^T in ``bq0, bq1`` / ``bq2, bq3``), in that order; V rows ANDed with
+        the token masks when ``masked`` (a compile-time choice: full chunks skip the masking)."""
         @device_jit(forceinline=True)
-        def pv(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, mka, mkb):
+        def pv(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc, mkd):
             for mt in range(NKS):
-                a = ldmatrix_x4_trans(dyn, vbase + uint32(16) * hiv + uint32(32 * mt), scr, lane)
+                off = uint32(16) * hiv + uint32(32 * mt)
+                a = ldmatrix_x4_trans(dyn, vbase0 + off, scr, lane)
+                e = ldmatrix_x4_trans(dyn, vbase1 + off, scr, lane)
                 cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
                 if masked:
-                    res = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc,
-                              scr, lane)
+                    cc = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr,
+                             lane)
+                    cc = mma((e[0] & mkc, e[1] & mkc, e[2] & mkd, e[3] & mkd), (bq2, bq3), cc, scr,
+                             lane)
                 else:
-                    res = mma(a, (bq0, bq1), cc, scr, lane)
-                oacc[4 * mt] = res[0]
-                oacc[4 * mt + 1] = res[1]
-                oacc[4 * mt + 2] = res[2]
-                oacc[4 * mt + 3] = res[3]
+                    cc = mma(a, (bq0, bq1), cc, scr, lane)
+                    cc = mma(e, (bq2, bq3), cc, scr, lane)
+                oacc[4 * mt] = cc[0]
+                oacc[4 * mt + 1] = cc[1]
+                oacc[4 * mt + 2] = cc[2]
+                oacc[4 * mt + 3] = cc[3]
         return pv
 
     pv_full, pv_masked = make_pv(False), make_pv(True)
 
     @device_jit(forceinline=True)
+    def row_addr(kk, kl, kstart, tr, solo_phase, sown, obase, ubase):
+        """Word offset in the K region of token row ``tr & 3`` of own page ``min(kk, kl)``."""
+        rp = _ring_row(int32(min(kk, kl) - kstart), solo_phase, sown, obase, ubase, RP)
+        return uint32(4 * RW) * (rp * U4 + (tr & U3))
+
+    @device_jit(forceinline=True)
     def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, obase, ubase,
               scale):
-        """One chunk (own pages k0..k0+3): online-softmax update of ``oacc`` and ``ml``."""
+        """One chunk (own pages k0 .. k0+7: two halves of 16 tokens): online-softmax update of
+        ``oacc`` and ``ml``. The halves' products are independent chains; one max, one rescale."""
         g = lane >> U2
         t = lane & U3
         # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
@@ -522,50 +558,62 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         # (int32(...) around each sum: numba types int32 + int32 as int64, and 64-bit index
         # arithmetic was a fifth of the chunk's instructions in session 8's SASS profile)
         kl = int32(k1 - int32(1))
-        rpk = _ring_row(int32(min(int32(k0 + int32(tk >> U2)), kl) - kstart), solo_phase, sown, obase,
-                        ubase, RP)
-        rpv = _ring_row(int32(min(int32(k0 + int32(tv >> U2)), kl) - kstart), solo_phase, sown, obase,
-                        ubase, RP)
-        rk = tk & U3
-        rv = tv & U3
-        kbase = uint32(sb + uint32(4 * RW) * (rpk * U4 + rk))
-        vbase = uint32(sb + uint32(4 * VOFF) + uint32(4 * RW) * (rpv * U4 + rv))
+        pk = int32(k0 + int32(tk >> U2))
+        pv_ = int32(k0 + int32(tv >> U2))
+        kbase0 = uint32(sb + row_addr(pk, kl, kstart, tk, solo_phase, sown, obase, ubase))
+        kbase1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, solo_phase, sown, obase,
+                                      ubase))
+        vreg = uint32(sb + uint32(4 * VOFF))
+        vbase0 = uint32(vreg + row_addr(pv_, kl, kstart, tv, solo_phase, sown, obase, ubase))
+        vbase1 = uint32(vreg + row_addr(int32(pv_ + int32(4)), kl, kstart, tv, solo_phase, sown, obase,
+                                        ubase))
         hik = lane >> U4
         hiv = (lane >> U3) & U1
-        sa = (F0, F0, F0, F0)          # four accumulation chains: k-steps 4i, 4i+1, 4i+2, 4i+3
-        sb = (F0, F0, F0, F0)
-        sc = (F0, F0, F0, F0)
-        sd = (F0, F0, F0, F0)
+        xa = (F0, F0, F0, F0)          # first half: chains of the even and odd k-steps
+        xb = (F0, F0, F0, F0)
+        ya = (F0, F0, F0, F0)          # second half
+        yb = (F0, F0, F0, F0)
         for ks in range(NKS):
-            a = ldmatrix_x4(dyn, kbase + uint32(16) * hik + uint32(32 * ks), scr, lane)
+            off = uint32(16) * hik + uint32(32 * ks)
+            a = ldmatrix_x4(dyn, kbase0 + off, scr, lane)
+            e = ldmatrix_x4(dyn, kbase1 + off, scr, lane)
             b = (qf[2 * ks], qf[2 * ks + 1])
-            if ks % 4 == 0:
-                sa = mma(a, b, sa, scr, lane)
-            elif ks % 4 == 1:
-                sb = mma(a, b, sb, scr, lane)
-            elif ks % 4 == 2:
-                sc = mma(a, b, sc, scr, lane)
+            if ks % 2 == 0:
+                xa = mma(a, b, xa, scr, lane)
+                ya = mma(e, b, ya, scr, lane)
             else:
-                sd = mma(a, b, sd, scr, lane)
-        sa = ((sa[0] + sb[0]) + (sc[0] + sd[0]), (sa[1] + sb[1]) + (sc[1] + sd[1]),
-              (sa[2] + sb[2]) + (sc[2] + sd[2]), (sa[3] + sb[3]) + (sc[3] + sd[3]))
-        la = _page_len(int32(k0 + int32(g >> U2)), k1, nv, tl)
-        lb = _page_len(int32(k0 + int32(2 + (g >> U2))), k1, nv, tl)
+                xb = mma(a, b, xb, scr, lane)
+                yb = mma(e, b, yb, scr, lane)
+        gp = int32(g >> U2)
+        la = _page_len(int32(k0 + gp), k1, nv, tl)
+        lb = _page_len(int32(k0 + int32(2) + gp), k1, nv, tl)
+        lc = _page_len(int32(k0 + int32(4) + gp), k1, nv, tl)
+        ld = _page_len(int32(k0 + int32(6) + gp), k1, nv, tl)
         tg = int32(g & U3)
         s0 = NEG_INF
         s1 = NEG_INF
         s2 = NEG_INF
         s3 = NEG_INF
+        s4 = NEG_INF
+        s5 = NEG_INF
+        s6 = NEG_INF
+        s7 = NEG_INF
         if tg < la:
-            s0 = sa[0] * scale
-            s1 = sa[1] * scale
+            s0 = (xa[0] + xb[0]) * scale
+            s1 = (xa[1] + xb[1]) * scale
         if tg < lb:
-            s2 = sa[2] * scale
-            s3 = sa[3] * scale
+            s2 = (xa[2] + xb[2]) * scale
+            s3 = (xa[3] + xb[3]) * scale
+        if tg < lc:
+            s4 = (ya[0] + yb[0]) * scale
+            s5 = (ya[1] + yb[1]) * scale
+        if tg < ld:
+            s6 = (ya[2] + yb[2]) * scale
+            s7 = (ya[3] + yb[3]) * scale
         m0 = ml[0]
         m1 = ml[1]
-        mn0 = max(m0, _col_max(max(s0, s2), lane, scr))
-        mn1 = max(m1, _col_max(max(s1, s3), lane, scr))
+        mn0 = max(m0, _col_max(max(max(s0, s2), max(s4, s6)), lane, scr))
+        mn1 = max(m1, _col_max(max(max(s1, s3), max(s5, s7)), lane, scr))
         # selects, not branches: fexp(-inf) is 0, and only an all -inf max needs a guard (NaN)
         al0 = fexp(m0 - mn0) if mn0 != NEG_INF else F1
         al1 = fexp(m1 - mn1) if mn1 != NEG_INF else F1
@@ -573,12 +621,18 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         p1 = fexp(s1 - mn1) if s1 != NEG_INF else F0
         p2 = fexp(s2 - mn0) if s2 != NEG_INF else F0
         p3 = fexp(s3 - mn1) if s3 != NEG_INF else F0
+        p4 = fexp(s4 - mn0) if s4 != NEG_INF else F0
+        p5 = fexp(s5 - mn1) if s5 != NEG_INF else F0
+        p6 = fexp(s6 - mn0) if s6 != NEG_INF else F0
+        p7 = fexp(s7 - mn1) if s7 != NEG_INF else F0
         ml[0] = mn0
         ml[1] = mn1
-        ml[2] = ml[2] * al0 + (p0 + p2)
-        ml[3] = ml[3] * al1 + (p1 + p3)
+        ml[2] = ml[2] * al0 + ((p0 + p2) + (p4 + p6))
+        ml[3] = ml[3] * al1 + ((p1 + p3) + (p5 + p7))
         bq0 = movmatrix_trans(pack(p0, p1), scr, lane)
         bq1 = movmatrix_trans(pack(p2, p3), scr, lane)
+        bq2 = movmatrix_trans(pack(p4, p5), scr, lane)
+        bq3 = movmatrix_trans(pack(p6, p7), scr, lane)
         # O^T rescale only when a running max moved in some lane (x * 1 is x: same bits either way)
         if warp_any(al0 != F1 or al1 != F1, scr, lane):
             for x in range(NKS):
@@ -587,17 +641,21 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 oacc[4 * x + 2] *= al0
                 oacc[4 * x + 3] *= al1
         # V rows past a partial page's tokens must not reach O (0 * NaN): masked, but only in the
-        # chunk that has such a page (a row's last); k0..k0+3 are the same in every lane
-        k3 = int32(k0 + int32(3))
-        if k3 < kl or (k3 == kl and (k1 < nv or tl == int32(0))):
-            pv_full(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, U0, U0)
+        # chunk that has such a page (a row's last); k0..k0+7 are the same in every lane
+        k7 = int32(k0 + int32(CHUNK - 1))
+        if k7 < kl or (k7 == kl and (k1 < nv or tl == int32(0))):
+            pv_full(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, U0, U0, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
-            mka = _mask2(o2, _page_len(int32(k0 + int32(t >> U1)), k1, nv, tl))
-            mkb = _mask2(o2, _page_len(int32(k0 + int32(2 + (t >> U1))), k1, nv, tl))
-            pv_masked(dyn, vbase, hiv, bq0, bq1, oacc, scr, lane, mka, mkb)
+            tp = int32(t >> U1)
+            mka = _mask2(o2, _page_len(int32(k0 + tp), k1, nv, tl))
+            mkb = _mask2(o2, _page_len(int32(k0 + int32(2) + tp), k1, nv, tl))
+            mkc = _mask2(o2, _page_len(int32(k0 + int32(4) + tp), k1, nv, tl))
+            mkd = _mask2(o2, _page_len(int32(k0 + int32(6) + tp), k1, nv, tl))
+            pv_masked(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc,
+                      mkd)
 
-    def kernel(qw, qs0, qs1, kw, vw, ks0, ks1, ks2, vs0, vs1, vs2, pages, num_vpages, tail_len,
+    def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
                windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml):
         dyn = cuda.shared.array(0, uint32)
         bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
@@ -664,23 +722,14 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
         cuda.syncthreads()
 
-        # a producer lane's 16-byte copies of a page (the same on every page): item
-        # e = lane + 32 i is (K/V, token row r, 16-byte chunk c16), chunks fastest
-        dst = cuda.local.array(IPL, uint32)
-        col = cuda.local.array(IPL, int64)
-        jk = int64(j) * ks2
-        jv = int64(j) * vs2
-        for i in range(IPL):
-            e = lane + uint32(32 * i)
-            c16 = e % uint32(NCH16)
-            rest = e // uint32(NCH16)
-            r = rest & U3
-            dst[i] = uint32(4) * r * uint32(RW) + U4 * U4 * c16
-            if rest >= U4:
-                dst[i] += uint32(4 * VOFF)
-                col[i] = jv + int64(4 * c16) + int64(r) * vs1
-            else:
-                col[i] = jk + int64(4 * c16) + int64(r) * ks1
+        # a producer lane's 16-byte copies of a page (the same on every page): copy e = lane + 32 i
+        # of K (of V) is token row e // NCH16, chunk e % NCH16; the lane's own row r0 and chunk c0
+        r0 = U0 if WIDE else lane // uint32(NCH16)
+        c0 = lane if WIDE else lane % uint32(NCH16)
+        lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
+        lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
+        ld = uint32(4 * RW) * r0 + uint32(16) * c0
+        copies = lane < uint32(HALF)
 
         nph = int32(1) + int32(cuda.popc(solo))
         rest_ = solo
@@ -704,8 +753,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 while s < nst:
                     u0 = int32(s * int32(SP))
                     produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
-                            solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, ks1, vs0, vs1, dst,
-                            col, pw, lane)
+                            solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, vs0, lk, lv,
+                            ld, copies, pw)
                     s = int32(s + int32(1))
             else:
                 mine = writer and kend > kstart
@@ -719,7 +768,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 kl = int32(kend - int32(1))
                 while mine and c < kend:
                     ka = int32(c - kstart)
-                    kz = int32(min(int32(c + int32(3)), kl) - kstart)
+                    kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
                     if ph == 0:
                         ka = sown[uint32(obase + uint32(ka))]
                         kz = sown[uint32(obase + uint32(kz))]
@@ -734,7 +783,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         waited = hi
                     chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown, obase,
                           int32(gs0 * int32(SP)), scale)
-                    c = int32(c + int32(4))
+                    c = int32(c + int32(CHUNK))
                 end = int32(gs0 + nst)
                 while rel < end:
                     waited = release(bar, rel, waited)
@@ -891,12 +940,12 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     ok = out_kind or _out_kind_of(out)
     ob = bits16(out)
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
-                            dev.device_cc() >= (9, 0))
+                            dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])))
     part_o = buffers("grouped.part_o", (rows if npieces > 1 else 1, hq, npieces, d), np.float32)
     part_ml = buffers("grouped.part_ml", (rows if npieces > 1 else 1, hq, npieces, 2), np.float32)
     i64 = np.int64
-    args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][1]),
-            i64(kv[1][2]), i64(vv[1][0]), i64(vv[1][1]), i64(vv[1][2]),
+    args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][2]),
+            i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
     _launch_dynamic(k, (nwin, npieces, hkv), k.threads, stream, cfg.smem_bytes, args)
@@ -973,7 +1022,7 @@ def _resource_cases():
               "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
     # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
-           "int64, int64, int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
+           "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
            "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1])")
     for hg in (6, 12):

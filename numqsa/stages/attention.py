@@ -63,9 +63,11 @@ def _page4_unsupported(qd, kd, d, r, profile=None):
 
 
 def _grouped_ok(profile, q, k_cache, v_cache):
-    """The grouped kernel (cp.async, ldmatrix: sm_80+) takes aligned caches with a contiguous D axis;
-    sm_70 keeps the m8n8k4 page-4 kernel."""
-    return (profile.attention.mma == "m16n8k16" and _grouped.words_view(k_cache) is not None
+    """The grouped kernel (cp.async, ldmatrix: sm_80+) takes aligned caches with a contiguous D axis
+    and head dims its copy lanes tile (:func:`numqsa.kernels.grouped.takes_head_dim`); sm_70 keeps
+    the m8n8k4 page-4 kernel, which also takes the rest (d 96, 160, 192, ...)."""
+    return (profile.attention.mma == "m16n8k16" and _grouped.takes_head_dim(k_cache.shape[3])
+            and _grouped.words_view(k_cache) is not None
             and _grouped.words_view(v_cache) is not None and _grouped.words_view(q, 4) is not None)
 
 
@@ -215,7 +217,8 @@ def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *
     qd_, kc, vc = (dev.as_device(x, stream)[0] for x in (q, k_cache, v_cache))
     if qd == "bfloat16" and not _grouped_ok(prof, qd_, kc, vc):
         raise V.QSAInputError("page4_attention: bfloat16 needs the grouped kernel's 16-byte "
-                              "aligned caches with a contiguous D axis")
+                              "aligned caches with a contiguous D axis, and a head dim it tiles "
+                              "(32, 64, 128, 256, 512, ...)")
     pg, nv, tl, rid = (ints(x, stream) for x in (pages, num_vpages, tail_len, req_ids))
     out_buf, lse_buf = (None, None) if out is None else out
     o, o_ret = dev.output(out_buf, (rows, hq, d), od, stream, "out", q)
