@@ -143,17 +143,20 @@ def test_grouped_row_invariance(rng):
 
 def test_grouped_launch_shape_invariance(rng, monkeypatch):
     """The launch shape never changes a row's bits: ring depth (a chunk spread over every stage, or
-    rows run solo), copy warps sharing a stage (1 or 2 producers) and window size (1 or 2 rows) only
-    change where operands are loaded from and who waits on which mbarrier."""
+    rows run solo), copy warps sharing a stage (1 or 2 producers), window size (1 or 2 rows) and the
+    schedule of pieces (a block each and the merge kernel, or one block folding them all) only
+    change where operands are loaded from, who waits on which mbarrier and who folds."""
     p = small_problem(rng, [160], [3], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=16, mode="random")
     orig = grouped.grouped_config
     results = []
-    for stages, producers, g in ((2, 2, 2), (3, 1, 1)):
-        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _s=stages, _p=producers, _g=g):
+    for stages, producers, g, fused in ((2, 2, 2, False), (3, 1, 1, True), (3, 2, 2, True)):
+        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _s=stages, _p=producers, _g=g,
+                _f=fused):
             base = orig(d, hg, rows, kb1, hkv, profile, single)
             return grouped.GroupedConfig(d, hg, _s, base.stage_pages, 1 if single else _g,
-                                         base.plan_threads, piece=base.piece, producers=_p)
+                                         base.plan_threads, piece=base.piece, producers=_p,
+                                         fused=_f)
         monkeypatch.setattr(grouped, "grouped_config", cfg)
         results.append(run_attention(p, tokens, counts, "page4"))
     check(p, tokens, counts, *results[0])

@@ -61,6 +61,7 @@ __all__ = ["GroupedConfig", "grouped_config", "takes_head_dim", "make_window_pla
 SM70 = False
 
 PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
+FUSE_WAVES = 8         # windows per SM from which one block runs all of a window's pieces
 MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
 PRODUCERS = 2          # of them copy warps (one leaves the rows' warps waiting on data: session 8)
 SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
@@ -83,7 +84,7 @@ class GroupedConfig:
     """Launch shape of the grouped route; none of it changes a row's arithmetic except ``piece``."""
 
     def __init__(self, d, hg, stages, stage_pages, rows_per_window, plan_threads, piece=PIECE,
-                 producers=PRODUCERS):
+                 producers=PRODUCERS, fused=False):
         self.d = int(d)
         self.piece = int(piece)                                  # arithmetic: fixed per platform
         self.head_tiles = -(-int(hg) // HEAD_TILE)              # HT
@@ -93,6 +94,7 @@ class GroupedConfig:
         self.producers = int(producers)                          # copy warps beside the rows' warps
         self.rows_per_window = int(rows_per_window)              # G
         self.plan_threads = int(plan_threads)
+        self.fused = bool(fused)             # one block runs all of a window's pieces and folds them
 
     @property
     def keep(self):
@@ -116,7 +118,8 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
     if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        return GroupedConfig(d, hg, 3, 4, 1 if single else max(1, 2 // ht), 32, piece=8, producers=1)
+        g = 1 if single else max(1, 2 // ht)
+        return GroupedConfig(d, hg, 3, 4, g, 32, piece=8, producers=1, fused=-(-rows // g) >= 2)
     pieces = pieces_of(kb1, PIECE)
     producers = TUNING.get("np", PRODUCERS)
     g = window_rows(hg, producers)
@@ -125,8 +128,11 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
         g //= 2
     g = 1 if single else TUNING.get("g", g)
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
+    # fused: a block per window runs its pieces in turn and folds them (no merge kernel, no
+    # partials left for it), where the windows alone fill FUSE_WAVES waves of the SMs
+    fused = bool(TUNING.get("fu", -(-rows // g) * hkv >= FUSE_WAVES * sms))
     return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 256, piece=TUNING.get("pc", PIECE),
-                         producers=producers)
+                         producers=producers, fused=fused)
 
 
 def takes_head_dim(d):
@@ -207,8 +213,9 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
             ssolo[1] = uint32(0)
         cuda.syncthreads()
         # A row whose plan names a page or slot outside the cache (or is not ascending) is inert in
-        # every piece: each block checks the whole row.
-        for x in range(cnt):
+        # every piece: each block checks the whole row. A keyed plan is the page-4 plan kernel's
+        # own, valid by construction (its rows are planned or inert): checked there.
+        for x in range(cnt if keyed == int32(0) else 0):
             row = first + x
             nv = int32(num_vpages[row])
             tl = int32(tail_len[row])
@@ -319,6 +326,41 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
     kernel.__name__ = f"grouped_window_plan_t{NT}_p{PC}_s{SP}_k{KEEP}"
     kernel.__qualname__ = kernel.__name__
     return jit(kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fold of a row's pieces: one arithmetic for the merge kernel and the fused schedule's epilogue
+# ------------------------------------------------------------------------------------------------
+
+@device_jit(forceinline=True)
+def _fold_weight(m, mx):
+    """``e^(m_p - M)`` of a piece (0 for a piece whose max is -inf)."""
+    w = float32(0)
+    if m != NEG_INF:
+        w = math.exp(m - mx)
+    return w
+
+
+@device_jit(forceinline=True)
+def _fold_add(acc, x, w):
+    return acc + x * w
+
+
+@device_jit(forceinline=True)
+def _fold_finish(acc, lsum):
+    """``acc / L``; rows here have tokens, so a zero ``L`` (every score -inf) is NaN."""
+    o = NAN
+    if lsum > float32(0) or lsum != lsum:
+        o = acc / lsum
+    return o
+
+
+@device_jit(forceinline=True)
+def _fold_lse(mx, lsum):
+    lv = NAN
+    if lsum > float32(0) or lsum != lsum:
+        lv = mx + math.log(lsum)
+    return lv
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,143 +697,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             pv_masked(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc,
                       mkd)
 
-    def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
-               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml):
-        dyn = cuda.shared.array(0, uint32)
-        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
-        scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
-        sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
-        su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
-        tid = uint32(cuda.threadIdx.x)
-        warp = tid >> uint32(5)
-        lane = tid & uint32(31)
+    @device_jit(forceinline=True)
+    def piece_out(lane, scr, oacc, ml, nv, writer, npc, piece_, row, h0, nh, out, lse, part_o,
+                  part_ml):
+        """A piece's results: ``out``/``lse`` when the row has one piece, else its partial
+        ``(O, m, l)`` for the fold (:func:`fold_out` or the merge kernel)."""
         g = lane >> U2
         t = lane & U3
-        scr = scr_all[warp]
-        win = uint32(cuda.blockIdx.x)
-        piece_ = int32(cuda.blockIdx.y)
-        j = uint32(cuda.blockIdx.z)
-        producer = warp >= uint32(NCW)
-        wslot = int32(warp // uint32(HT))
-        ht = warp % uint32(HT)
-        h0 = j * uint32(HG) + ht * uint32(HH)
-        nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
-        first = int32(windows[win, 0])
-        cnt = int32(windows[win, 1])
-        row = first + wslot
-        live = wslot < cnt and not producer
-        nv = int32(0)
-        tl = int32(0)
-        if live:
-            nv = int32(num_vpages[row])
-            tl = int32(tail_len[row])
-            if (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
-                nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
-        npc = max(int32(1), nv // int32(PC))
-        writer = live and piece_ < npc
-        kstart, kend = _piece_range(nv, piece_, PC)
-        nstream0 = int32(wmeta[win, piece_, 0])
-        solo = uint32(wmeta[win, piece_, 1])
-
-        qf = cuda.local.array(NQF, uint32)
-        for ks in range(NKS):
-            for jj in range(2):
-                wq = U0
-                if writer and g < nh:
-                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj) + int32(t)])
-                qf[2 * ks + jj] = wq
-        oacc = cuda.local.array(NOA, float32)
-        for x in range(NOA):
-            oacc[x] = F0
-        ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
-        ml[0] = NEG_INF
-        ml[1] = NEG_INF
-        ml[2] = F0
-        ml[3] = F0
-
-        sb = shared_base(dyn)
-        obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
-        if writer and ht == U0:
-            for x in range(kstart + int32(lane), kend, int32(32)):
-                sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
-        if STAGE_U:
-            for x in range(tid, uint32(2 * nstream0), UNT):
-                su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
-        if tid < uint32(NB):
-            mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
-            mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
-        cuda.syncthreads()
-
-        # a producer lane's 16-byte copies of a page (the same on every page): copy e = lane + 32 i
-        # of K (of V) is token row e // NCH16, chunk e % NCH16; the lane's own row r0 and chunk c0
-        r0 = U0 if WIDE else lane // uint32(NCH16)
-        c0 = lane if WIDE else lane % uint32(NCH16)
-        lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
-        lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
-        ld = uint32(4 * RW) * r0 + uint32(16) * c0
-        copies = lane < uint32(HALF)
-
-        nph = int32(1) + int32(cuda.popc(solo))
-        rest_ = solo
-        gs0 = int32(0)                 # stages streamed by earlier phases
-        for ph in range(nph):
-            solo_row = int32(-1)
-            sbit = int32(-1)
-            nstream = nstream0
-            kst = int32(0)
-            if ph > 0:
-                sbit = int32(cuda.ffs(rest_)) - int32(1)
-                rest_ &= rest_ - U1
-                solo_row = first + sbit
-                a0, a1 = _piece_range(int32(num_vpages[solo_row]), piece_, PC)
-                kst = a0
-                nstream = a1 - a0
-            nst = (nstream + int32(SP - 1)) // int32(SP)
-            if producer:
-                pw = int32(int32(warp) - int32(NCW))
-                s = int32(0)
-                while s < nst:
-                    u0 = int32(s * int32(SP))
-                    produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
-                            solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, vs0, lk, lv,
-                            ld, copies, pw)
-                    s = int32(s + int32(1))
-            else:
-                mine = writer and kend > kstart
-                if ph == 0:
-                    mine = mine and ((solo >> uint32(wslot)) & U1) == U0
-                else:
-                    mine = mine and wslot == sbit
-                waited = int32(gs0 - int32(1))
-                rel = gs0              # the next stage to release
-                c = kstart
-                kl = int32(kend - int32(1))
-                while mine and c < kend:
-                    ka = int32(c - kstart)
-                    kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
-                    if ph == 0:
-                        ka = sown[uint32(obase + uint32(ka))]
-                        kz = sown[uint32(obase + uint32(kz))]
-                    # stages of the chunk's first and last pages
-                    lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
-                    hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
-                    while rel < lo:
-                        waited = release(bar, rel, waited)
-                        rel = int32(rel + int32(1))
-                    if hi > waited:
-                        wait_full(bar, hi)
-                        waited = hi
-                    chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown, obase,
-                          int32(gs0 * int32(SP)), scale)
-                    c = int32(c + int32(CHUNK))
-                end = int32(gs0 + nst)
-                while rel < end:
-                    waited = release(bar, rel, waited)
-                    rel = int32(rel + int32(1))
-            gs0 = int32(gs0 + nst)
-        if producer:
-            return
-
         lt0 = _col_sum(ml[2], lane, scr)
         lt1 = _col_sum(ml[3], lane, scr)
         # A head whose weights sum to 0 although the row has tokens (every score -inf) is 0 / 0:
@@ -815,13 +727,16 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 if i == 1:
                     li = lt1
                     mi = ml[1]
-                if g == U0 and hh < nh:
+                if hh < nh:
                     if npc == int32(1):
                         lv = zl
                         if li > F0 or li != li:
                             lv = mi + math.log(li)
-                        lse[row, h0 + hh] = lv
+                        if g == U0:
+                            lse[row, h0 + hh] = lv
                     else:
+                        # every lane of the column writes the (same) values: fold_out reads back
+                        # its own writes, with no warp barrier
                         part_ml[row, h0 + hh, piece_, 0] = mi
                         part_ml[row, h0 + hh, piece_, 1] = li
             for mt in range(NKS):
@@ -836,6 +751,199 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                             out[row, h0 + hh, dd] = conv(oacc[4 * mt + i] / den)
                         else:
                             part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
+
+    @device_jit(forceinline=True)
+    def fold_out(lane, oacc, npc, row, h0, nh, out, lse, part_o, part_ml):
+        """The fused schedule's fold of a row's pieces, each element's arithmetic the merge
+        kernel's (:func:`_fold_weight`, :func:`_fold_add`, :func:`_fold_finish`) in piece order;
+        a lane reads back the partials it wrote itself."""
+        g = lane >> U2
+        t = lane & U3
+        hA = U2 * t
+        ha = h0 + min(hA, nh - U1)                 # lanes past the heads read a real one, store none
+        hb = h0 + min(hA + U1, nh - U1)
+        mxa = NEG_INF
+        mxb = NEG_INF
+        for p in range(npc):
+            mxa = max(mxa, part_ml[row, ha, p, 0])
+            mxb = max(mxb, part_ml[row, hb, p, 0])
+        la = F0
+        lb = F0
+        for x in range(NOA):
+            oacc[x] = F0
+        for p in range(npc):
+            wa = _fold_weight(part_ml[row, ha, p, 0], mxa)
+            wb = _fold_weight(part_ml[row, hb, p, 0], mxb)
+            la = _fold_add(la, part_ml[row, ha, p, 1], wa)
+            lb = _fold_add(lb, part_ml[row, hb, p, 1], wb)
+            for mt in range(NKS):
+                for i in range(4):
+                    dd = uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                    if (i & 1) == 0:
+                        oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, ha, p, dd], wa)
+                    else:
+                        oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, hb, p, dd], wb)
+        for i in range(2):
+            hh = hA + uint32(i)
+            if g == U0 and hh < nh:
+                if i == 0:
+                    lse[row, h0 + hh] = _fold_lse(mxa, la)
+                else:
+                    lse[row, h0 + hh] = _fold_lse(mxb, lb)
+        for mt in range(NKS):
+            for i in range(4):
+                dd = uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                hh = hA + (uint32(i) & U1)
+                if hh < nh:
+                    if (i & 1) == 0:
+                        out[row, h0 + hh, dd] = conv(_fold_finish(oacc[4 * mt + i], la))
+                    else:
+                        out[row, h0 + hh, dd] = conv(_fold_finish(oacc[4 * mt + i], lb))
+
+    def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
+               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, npieces):
+        dyn = cuda.shared.array(0, uint32)
+        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
+        scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
+        sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
+        su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & uint32(31)
+        g = lane >> U2
+        t = lane & U3
+        scr = scr_all[warp]
+        win = uint32(cuda.blockIdx.x)
+        j = uint32(cuda.blockIdx.z)
+        producer = warp >= uint32(NCW)
+        wslot = int32(warp // uint32(HT))
+        ht = warp % uint32(HT)
+        h0 = j * uint32(HG) + ht * uint32(HH)
+        nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
+        first = int32(windows[win, 0])
+        cnt = int32(windows[win, 1])
+        row = first + wslot
+        live = wslot < cnt and not producer
+        nv = int32(0)
+        tl = int32(0)
+        if live:
+            nv = int32(num_vpages[row])
+            tl = int32(tail_len[row])
+            if (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
+                nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
+        npc = max(int32(1), nv // int32(PC))
+        # split: this block's piece (the merge kernel folds); fused: every piece, folded below
+        p_lo = int32(cuda.blockIdx.y)
+        p_hi = int32(p_lo + int32(1))
+        if fused != int32(0):
+            p_lo = int32(0)
+            p_hi = int32(npieces)
+
+        qf = cuda.local.array(NQF, uint32)
+        for ks in range(NKS):
+            for jj in range(2):
+                wq = U0
+                if live and p_lo < npc and g < nh:
+                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj) + int32(t)])
+                qf[2 * ks + jj] = wq
+        oacc = cuda.local.array(NOA, float32)
+        ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
+        sb = shared_base(dyn)
+        obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
+        if tid < uint32(NB):
+            mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
+            mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
+        # a producer lane's 16-byte copies of a page (the same on every page): copy e = lane + 32 i
+        # of K (of V) is token row e // NCH16, chunk e % NCH16; the lane's own row r0 and chunk c0
+        r0 = U0 if WIDE else lane // uint32(NCH16)
+        c0 = lane if WIDE else lane % uint32(NCH16)
+        lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
+        lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
+        ld = uint32(4 * RW) * r0 + uint32(16) * c0
+        copies = lane < uint32(HALF)
+
+        gs0 = int32(0)                 # stages streamed by earlier phases and pieces
+        for piece_ in range(p_lo, p_hi):
+            writer = live and piece_ < npc
+            kstart, kend = _piece_range(nv, piece_, PC)
+            nstream0 = int32(wmeta[win, piece_, 0])
+            solo = uint32(wmeta[win, piece_, 1])
+            for x in range(NOA):
+                oacc[x] = F0
+            ml[0] = NEG_INF
+            ml[1] = NEG_INF
+            ml[2] = F0
+            ml[3] = F0
+            cuda.syncthreads()         # the previous piece's tables are read no more
+            if writer and ht == U0:
+                for x in range(kstart + int32(lane), kend, int32(32)):
+                    sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
+            if STAGE_U:
+                for x in range(tid, uint32(2 * nstream0), UNT):
+                    su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
+            cuda.syncthreads()
+            nph = int32(1) + int32(cuda.popc(solo))
+            rest_ = solo
+            for ph in range(nph):
+                solo_row = int32(-1)
+                sbit = int32(-1)
+                nstream = nstream0
+                kst = int32(0)
+                if ph > 0:
+                    sbit = int32(cuda.ffs(rest_)) - int32(1)
+                    rest_ &= rest_ - U1
+                    solo_row = first + sbit
+                    a0, a1 = _piece_range(int32(num_vpages[solo_row]), piece_, PC)
+                    kst = a0
+                    nstream = a1 - a0
+                nst = (nstream + int32(SP - 1)) // int32(SP)
+                if producer:
+                    pw = int32(int32(warp) - int32(NCW))
+                    s = int32(0)
+                    while s < nst:
+                        u0 = int32(s * int32(SP))
+                        produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
+                                solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, vs0, lk, lv,
+                                ld, copies, pw)
+                        s = int32(s + int32(1))
+                else:
+                    mine = writer and kend > kstart
+                    if ph == 0:
+                        mine = mine and ((solo >> uint32(wslot)) & U1) == U0
+                    else:
+                        mine = mine and wslot == sbit
+                    waited = int32(gs0 - int32(1))
+                    rel = gs0              # the next stage to release
+                    c = kstart
+                    kl = int32(kend - int32(1))
+                    while mine and c < kend:
+                        ka = int32(c - kstart)
+                        kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
+                        if ph == 0:
+                            ka = sown[uint32(obase + uint32(ka))]
+                            kz = sown[uint32(obase + uint32(kz))]
+                        # stages of the chunk's first and last pages
+                        lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
+                        hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
+                        while rel < lo:
+                            waited = release(bar, rel, waited)
+                            rel = int32(rel + int32(1))
+                        if hi > waited:
+                            wait_full(bar, hi)
+                            waited = hi
+                        chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0, sown, obase,
+                              int32(gs0 * int32(SP)), scale)
+                        c = int32(c + int32(CHUNK))
+                    end = int32(gs0 + nst)
+                    while rel < end:
+                        waited = release(bar, rel, waited)
+                        rel = int32(rel + int32(1))
+                gs0 = int32(gs0 + nst)
+            if not producer:
+                piece_out(lane, scr, oacc, ml, nv, writer, npc, piece_, row, h0, nh, out, lse,
+                          part_o, part_ml)
+        if fused != int32(0) and live and npc > int32(1):
+            fold_out(lane, oacc, npc, row, h0, nh, out, lse, part_o, part_ml)
 
     kernel.__name__ = f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_np{NPW}_{dtype}_{out_kind}"
     kernel.__qualname__ = kernel.__name__
@@ -867,20 +975,12 @@ def make_merge_kernel(d, out_kind, piece):
         lsum = F0
         acc = F0
         for p in range(npc):
-            m = part_ml[row, h, p, 0]
-            w = float32(0)
-            if m != NEG_INF:
-                w = math.exp(m - mx)
-            lsum += part_ml[row, h, p, 1] * w
-            acc += part_o[row, h, p, dd] * w
-        o = NAN                        # rows here have tokens: no positive weight is 0 / 0
-        lv = NAN
-        if lsum > F0 or lsum != lsum:
-            o = acc / lsum
-            lv = mx + math.log(lsum)
-        out[row, h, dd] = conv(o)
+            w = _fold_weight(part_ml[row, h, p, 0], mx)
+            lsum = _fold_add(lsum, part_ml[row, h, p, 1], w)
+            acc = _fold_add(acc, part_o[row, h, p, dd], w)
+        out[row, h, dd] = conv(_fold_finish(acc, lsum))
         if dd == uint32(0):
-            lse[row, h] = lv
+            lse[row, h] = _fold_lse(mx, lsum)
 
     kernel.__name__ = f"grouped_merge_d{D}_{out_kind}"
     kernel.__qualname__ = kernel.__name__
@@ -948,8 +1048,9 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
             i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
-    _launch_dynamic(k, (nwin, npieces, hkv), k.threads, stream, cfg.smem_bytes, args)
-    if npieces > 1:
+    _launch_dynamic(k, (nwin, 1 if cfg.fused else npieces, hkv), k.threads, stream, cfg.smem_bytes,
+                    args + (np.int32(cfg.fused), np.int32(npieces)))
+    if npieces > 1 and not cfg.fused:
         km = make_merge_kernel(int(d), ok, pc)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
     return out, lse
@@ -1024,7 +1125,7 @@ def _resource_cases():
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
-           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1])")
+           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32)")
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True)
