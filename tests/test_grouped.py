@@ -99,7 +99,7 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
     wunion = np.full((nwin, npieces, g * 2 * pc, 2), -1, np.int32)
     wmeta = np.zeros((nwin, npieces, 3), np.int32)
     ownu = np.full((4, pages.shape[1]), -1, np.int32)
-    k = grouped.make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
+    k = grouped.make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep, g)
     d = [cuda.to_device(np.ascontiguousarray(a)) for a in (tokens, pages, nv.astype(np.int32),
                                                           tl.astype(np.int32), p["req_ids"], windows,
                                                           wunion, wmeta, ownu)]

@@ -1,14 +1,14 @@
 """Grouped sparse attention over page-4 virtual pages (spec §7), sm_80+ (m16n8k16 tensor cores).
 
-Three kernels after the page-4 plan (:mod:`numqsa.kernels.page4`, which turns each row's selection
-into virtual pages ``(physical page, first slot)`` in logical order, the partial tail page last):
+Two or three kernels after the page-4 plan (:mod:`numqsa.kernels.page4`, which turns each row's
+selection into virtual pages ``(physical page, first slot)`` in logical order, the partial tail page last):
 
 1. **window plan** (:func:`make_window_plan_kernel`): a *window* is up to ``G`` consecutive rows; a
    row's virtual pages are cut into fixed *pieces* of ``PIECE`` pages (the last piece takes the
    remainder: ``max(1, nv // PIECE)`` pieces). For each (window, piece) the kernel builds the union of
    the rows' pages of that piece, ordered by (request run, logical group) through a bitmap of the
    logical groups in shared memory, and for every own page its index in that union. A row whose
-   chunk of 4 own pages would spread over more union stages than the attention kernel's ring holds
+   chunk of 8 own pages would spread over more union stages than the attention kernel's ring holds
    is marked *solo* for that piece.
 2. **attention** (:func:`make_grouped_kernel`): one block per (window, piece, KV head): warp
    ``w < G * HT`` = (row ``w // HT``, head tile ``w % HT``), then ``producers`` copy warps. The
@@ -16,12 +16,16 @@ into virtual pages ``(physical page, first slot)`` in logical order, the partial
    ``cp.async``; per stage a ``full`` mbarrier (landed) and an ``empty`` one (released by every
    row's warp). A row's warp, per chunk of its own pages, releases the stages before the chunk,
    waits on the stage holding its last page and consumes it: ``S^T = K Q^T`` (K fragments by
-   ``ldmatrix``), online softmax per chunk, ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``,
-   P^T by ``movmatrix``). Solo rows are then streamed one at a time with their own pages only.
+   ``ldmatrix``) for the chunk's two halves of 16 tokens, one online-softmax step per chunk of 32,
+   ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``, P^T by ``movmatrix``). Solo rows are then
+   streamed one at a time with their own pages only. In the *fused* schedule (many windows:
+   ``FUSE_WAVES``) one block runs all of its window's pieces in turn and folds each row's pieces
+   itself, with the merge kernel's arithmetic; else a block per (window, piece) and:
 3. **merge** (:func:`make_merge_kernel`): rows with several pieces combine them in piece order.
 
 Invariance: a row's arithmetic depends only on its own selection: chunks are its own pages
-``4c .. 4c+3`` of a piece, pieces are fixed by its page count, and the merge folds pieces in order.
+``8c .. 8c+7`` of a piece, pieces are fixed by its page count, and both folds take pieces in order
+with one arithmetic (``_fold_*``).
 Which rows share its window, how the union is staged, whether it runs solo, the page placement and
 the batch never change which numbers are added in which order; they only change where the operands
 are loaded from.
@@ -37,7 +41,8 @@ context, 2051 selected; ``docs/kernels/grouped.md``): against the generic kernel
 3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (v3: the page-4 route from one row in
 ``numqsa/plan.py``); against the token-major page-4 kernel 4-8x faster below 512 rows and 8-11%
 slower at the large shapes, kept because one route for every row count keeps a row's bits
-independent of the batch. The shipped kernel (v10) in its probe: 4096 x 32K 1.309, 1 x 32K 0.052.
+independent of the batch. The shipped chain (v11, session 10) in its probe: 4096 x 32K 1.024,
+1 x 32K 0.045 (docs/kernels/grouped.md has every version).
 """
 import functools
 import math
@@ -131,7 +136,7 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     # fused: a block per window runs its pieces in turn and folds them (no merge kernel, no
     # partials left for it), where the windows alone fill FUSE_WAVES waves of the SMs
     fused = bool(TUNING.get("fu", -(-rows // g) * hkv >= FUSE_WAVES * sms))
-    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 256, piece=TUNING.get("pc", PIECE),
+    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 128, piece=TUNING.get("pc", PIECE),
                          producers=producers, fused=fused)
 
 
@@ -182,19 +187,27 @@ def _key(tokens, keyed, row, k):
 
 
 @functools.lru_cache(maxsize=None)
-def make_window_plan_kernel(threads, piece, stage_pages, keep):
-    """Grid ``(windows, pieces)``, ``threads`` threads; static shared memory ~8.2 KB.
+def make_window_plan_kernel(threads, piece, stage_pages, keep, rows_per_window):
+    """Grid ``(windows, pieces)``, ``threads`` threads, windows of up to ``rows_per_window`` rows;
+    static shared memory ~9 KB + 16 bytes per own page a piece can hold (``2 * piece`` a row).
 
     Outputs per (window, piece): ``wunion[w, p, u] = (page, slot)`` of union entry ``u``,
-    ``wmeta[w, p] = (union size, solo-row bit mask, malformed-row bit mask)``; per row ``ownu[row, k]`` = union index of
-    own page ``k`` (within its piece's union). Rows are cut into runs of equal ``req_ids`` (keys of
-    different requests never merge); within a run the union is ordered by logical group.
+    ``wmeta[w, p] = (union size, solo-row bit mask, malformed-row bit mask)``; per row
+    ``ownu[row, k]`` = union index of own page ``k`` (within its piece's union). Rows are cut into
+    runs of equal ``req_ids`` (keys of different requests never merge); within a run the union is
+    ordered by logical group. The piece's keys and page ids of every row are read once, all loads
+    in flight together, into shared memory; every pass after works there (session 10: the passes
+    read them from global memory, one row after another, and the kernel took 120-168 us of
+    4096 x 32K's 1.2 ms).
     """
-    NT, PC, SP, KEEP = int(threads), int(piece), int(stage_pages), int(keep)
+    NT, PC, SP, KEEP, G = (int(v) for v in (threads, piece, stage_pages, keep, rows_per_window))
     NBW = BITMAP_WORDS
     WPT = NBW // NT                           # bitmap words per thread in the scan
     NBITS = 32 * NBW
     UNT = uint32(NT)
+    OWN = 2 * PC                              # own pages of a row in one piece, at most
+    SLOTS = G * OWN
+    ITERS = -(-SLOTS // NT)
 
     def kernel(tokens, keyed, pages, num_vpages, tail_len, req_ids, windows, num_pages, page_size,
                wunion, wmeta, ownu):
@@ -202,7 +215,10 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
         pref = cuda.shared.array(NBW, int32)
         scan = cuda.shared.array(NT, int32)
         ssolo = cuda.shared.array(2, uint32)
-        snv = cuda.shared.array(32, int32)
+        srow = cuda.shared.array((G, 3), int32)      # per row: piece start, piece end, request
+        skey = cuda.shared.array(SLOTS, int32)       # own page's logical group, row x at x * OWN
+        spg = cuda.shared.array((SLOTS, 2), int32)   # its (page, slot)
+        sun = cuda.shared.array(SLOTS, int32)        # its union index
         tid = uint32(cuda.threadIdx.x)
         win = uint32(cuda.blockIdx.x)
         piece_ = int32(cuda.blockIdx.y)
@@ -239,32 +255,42 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
             nv = int32(num_vpages[first + int32(tid)])
             if (ssolo[1] >> tid) & uint32(1):
                 nv = int32(0)
-            snv[tid] = nv
+            k0, k1 = _piece_range(nv, piece_, PC)
+            srow[tid, 0] = k0
+            srow[tid, 1] = k1
+            srow[tid, 2] = int32(req_ids[first + int32(tid)])
+        cuda.syncthreads()
+        for it in range(ITERS):             # a constant trip count: the loads issue together
+            e = tid + uint32(it * NT)
+            x = int32(e // uint32(OWN))
+            if e < uint32(SLOTS) and x < cnt:
+                k = srow[x, 0] + int32(e % uint32(OWN))
+                if k < srow[x, 1]:
+                    skey[e] = _key(tokens, keyed, first + x, k)
+                    spg[e, 0] = pages[first + x, k, 0]
+                    spg[e, 1] = pages[first + x, k, 1]
         cuda.syncthreads()
         offset = int32(0)
         w = int32(0)
         while w < cnt:
             we = w + int32(1)
-            while we < cnt and req_ids[first + we] == req_ids[first + w]:
+            while we < cnt and srow[we, 2] == srow[w, 2]:
                 we += int32(1)
             kmin = int32(2147483647)
             kmax = int32(-1)
             for x in range(w, we):
-                row = first + x
-                k0, k1 = _piece_range(snv[x], piece_, PC)
-                if k1 > k0:
-                    kmin = min(kmin, _key(tokens, keyed, row, k0))
-                    kmax = max(kmax, _key(tokens, keyed, row, k1 - int32(1)))
+                n = srow[x, 1] - srow[x, 0]
+                if n > int32(0):
+                    kmin = min(kmin, skey[x * OWN])
+                    kmax = max(kmax, skey[x * OWN + n - int32(1)])
             base = kmin
             while base <= kmax:
                 for i in range(tid, uint32(NBW), UNT):
                     bits[i] = uint32(0)
                 cuda.syncthreads()
                 for x in range(w, we):
-                    row = first + x
-                    k0, k1 = _piece_range(snv[x], piece_, PC)
-                    for k in range(k0 + int32(tid), k1, int32(NT)):
-                        key = _key(tokens, keyed, row, k) - base
+                    for kk in range(int32(tid), srow[x, 1] - srow[x, 0], int32(NT)):
+                        key = skey[x * OWN + kk] - base
                         if key >= int32(0) and key < int32(NBITS):
                             cuda.atomic.or_(bits, key >> int32(5), uint32(1) << uint32(key & int32(31)))
                 cuda.syncthreads()
@@ -290,32 +316,37 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
                 total = scan[UNT - uint32(1)]
                 cuda.syncthreads()
                 for x in range(w, we):
-                    row = first + x
-                    k0, k1 = _piece_range(snv[x], piece_, PC)
-                    for k in range(k0 + int32(tid), k1, int32(NT)):
-                        key = _key(tokens, keyed, row, k) - base
+                    for kk in range(int32(tid), srow[x, 1] - srow[x, 0], int32(NT)):
+                        e = x * OWN + kk
+                        key = skey[e] - base
                         if key >= int32(0) and key < int32(NBITS):
                             wd = key >> int32(5)
                             below = bits[wd] & ((uint32(1) << uint32(key & int32(31))) - uint32(1))
                             u = offset + pref[wd] + int32(cuda.popc(below))
-                            ownu[row, k] = u
-                            wunion[win, piece_, u, 0] = pages[row, k, 0]
-                            wunion[win, piece_, u, 1] = pages[row, k, 1]
+                            sun[e] = u
+                            wunion[win, piece_, u, 0] = spg[e, 0]
+                            wunion[win, piece_, u, 1] = spg[e, 1]
                 offset += total
                 cuda.syncthreads()
                 base += int32(NBITS)
             w = we
         cuda.syncthreads()
+        for it in range(ITERS):
+            e = tid + uint32(it * NT)
+            x = int32(e // uint32(OWN))
+            if e < uint32(SLOTS) and x < cnt:
+                k = srow[x, 0] + int32(e % uint32(OWN))
+                if k < srow[x, 1]:
+                    ownu[first + x, k] = sun[e]
         # A chunk (own pages 8c..8c+7 of the piece) is consumed when its last page lands; its first
         # page must still be in one of the KEEP readable stages, else the row runs solo.
         for x in range(cnt):
-            row = first + x
-            k0, k1 = _piece_range(snv[x], piece_, PC)
-            nch = (k1 - k0 + int32(CHUNK - 1)) // int32(CHUNK)
+            n = srow[x, 1] - srow[x, 0]
+            nch = (n + int32(CHUNK - 1)) // int32(CHUNK)
             for c in range(int32(tid), nch, int32(NT)):
-                ka = k0 + int32(CHUNK) * c
-                kz = min(ka + int32(CHUNK - 1), k1 - int32(1))
-                if int32(ownu[row, ka]) // int32(SP) + int32(KEEP - 1) < int32(ownu[row, kz]) // int32(SP):
+                ka = x * OWN + int32(CHUNK) * c
+                kz = x * OWN + min(int32(CHUNK) * c + int32(CHUNK - 1), n - int32(1))
+                if sun[ka] // int32(SP) + int32(KEEP - 1) < sun[kz] // int32(SP):
                     cuda.atomic.or_(ssolo, 0, uint32(1) << uint32(x))
         cuda.syncthreads()
         if tid == uint32(0):
@@ -323,7 +354,7 @@ def make_window_plan_kernel(threads, piece, stage_pages, keep):
             wmeta[win, piece_, 1] = int32(ssolo[0])
             wmeta[win, piece_, 2] = int32(ssolo[1])
 
-    kernel.__name__ = f"grouped_window_plan_t{NT}_p{PC}_s{SP}_k{KEEP}"
+    kernel.__name__ = f"grouped_window_plan_t{NT}_p{PC}_s{SP}_k{KEEP}_g{G}"
     kernel.__qualname__ = kernel.__name__
     return jit(kernel)
 
@@ -953,11 +984,14 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
 
 @functools.lru_cache(maxsize=None)
-def make_merge_kernel(d, out_kind, piece):
+def make_merge_kernel(d, out_kind, piece, npieces):
     """Grid ``(rows, Hq)``, block ``d`` threads: rows with several pieces fold them in piece order:
     ``M = max m_p``, ``L = sum_p l_p e^(m_p - M)``, ``out = sum_p O_p e^(m_p - M) / L``,
-    ``lse = M + log L``. Rows with one piece were written by the attention kernel."""
-    D, PC = int(d), int(piece)
+    ``lse = M + log L``. Rows with one piece were written by the attention kernel. The loops run
+    ``npieces`` (the most a row has) times, guarded, so that the loads of all pieces issue together
+    (session 10: with the row's own count as the bound each piece's loads waited for the last
+    piece's; 157 us at 4096 x 32K)."""
+    D, PC, NP = int(d), int(piece), int(npieces)
     F0 = float32(0)
     conv = _out_conv(out_kind)
 
@@ -970,19 +1004,21 @@ def make_merge_kernel(d, out_kind, piece):
         if npc < int32(2):
             return
         mx = NEG_INF
-        for p in range(npc):
-            mx = max(mx, part_ml[row, h, p, 0])
+        for p in range(NP):
+            if p < npc:
+                mx = max(mx, part_ml[row, h, p, 0])
         lsum = F0
         acc = F0
-        for p in range(npc):
-            w = _fold_weight(part_ml[row, h, p, 0], mx)
-            lsum = _fold_add(lsum, part_ml[row, h, p, 1], w)
-            acc = _fold_add(acc, part_o[row, h, p, dd], w)
+        for p in range(NP):
+            if p < npc:
+                w = _fold_weight(part_ml[row, h, p, 0], mx)
+                lsum = _fold_add(lsum, part_ml[row, h, p, 1], w)
+                acc = _fold_add(acc, part_o[row, h, p, dd], w)
         out[row, h, dd] = conv(_fold_finish(acc, lsum))
         if dd == uint32(0):
             lse[row, h] = _fold_lse(mx, lsum)
 
-    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}"
+    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}_n{NP}"
     kernel.__qualname__ = kernel.__name__
     return jit(kernel)
 
@@ -1023,7 +1059,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     wunion = buffers("grouped.wunion", (nwin, npieces, cap, 2), np.int32)
     wmeta = buffers("grouped.wmeta", (nwin, npieces, 3), np.int32)
     ownu = buffers("grouped.ownu", (rows, kb1), np.int32)
-    kp = make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep)
+    kp = make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep, g)
     keyed = np.int32(tokens is not None)
     if tokens is None:
         tokens = dev.constant(np.zeros((1, 1), np.int32), stream)
@@ -1051,7 +1087,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     _launch_dynamic(k, (nwin, 1 if cfg.fused else npieces, hkv), k.threads, stream, cfg.smem_bytes,
                     args + (np.int32(cfg.fused), np.int32(npieces)))
     if npieces > 1 and not cfg.fused:
-        km = make_merge_kernel(int(d), ok, pc)
+        km = make_merge_kernel(int(d), ok, pc, npieces)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
     return out, lse
 
@@ -1118,9 +1154,9 @@ def words_view(a, align=16):
 
 
 def _resource_cases():
-    cases = [("grouped_window_plan", make_window_plan_kernel(256, PIECE, 8, 4),
+    cases = [("grouped_window_plan", make_window_plan_kernel(128, PIECE, 8, 6, window_rows(6)),
               "void(int32[:, :], int32, int32[:, :, :], int32[:], int32[:], int32[:], int32[:, :], int32, "
-              "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 256, 0, (9, 0))]
+              "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 128, 0, (9, 0))]
     # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
@@ -1136,7 +1172,7 @@ def _resource_cases():
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16", sm90=True)
         cases.append((f"grouped_attn_bf16_g{hg}", k, sig_bf, k.threads, cfg.smem_bytes, (9, 0)))
-    cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE),
+    cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE, 4),
                   "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "
                   "float32[:, :])", 256, 0, (9, 0)))
     return cases
