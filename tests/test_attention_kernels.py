@@ -467,3 +467,15 @@ def test_gpu_real_shapes(rows, seed):
                             out=(out, lse))
     np.testing.assert_array_equal(out.copy_to_host(), results["page4"][0][sub])
     np.testing.assert_array_equal(lse.copy_to_host(), results["page4"][1][sub])
+    # a row alone, 16 and 64 rows (one-row windows: the direct kernel with O's dims over two warps;
+    # two-row windows) give the bits they give in the batch's six-row windows
+    for sub in ([rows - 1], list(range(rows - 16, rows)), list(range(64))):
+        n = len(sub)
+        out = poison(cuda.device_array((n, 6, 256), np.float16))
+        lse = poison(cuda.device_array((n, 6), np.float32))
+        numqsa.sparse_attention(cuda.to_device(p["q"][sub]), dev["k_cache"], dev["v_cache"],
+                                dev["block_table"], cuda.to_device(tokens[sub]),
+                                cuda.to_device(counts[sub]), cuda.to_device(p["req_ids"][sub]),
+                                dev["seq_lens"], route_name="page4", out=(out, lse))
+        np.testing.assert_array_equal(out.copy_to_host(), results["page4"][0][sub], err_msg=f"{n} rows")
+        np.testing.assert_array_equal(lse.copy_to_host(), results["page4"][1][sub], err_msg=f"{n} rows")

@@ -81,6 +81,32 @@ def test_grouped_piece_boundaries(rng, monkeypatch):
     assert len(seen) == 2, "the grouped kernel did not run"
 
 
+def test_grouped_direct_windows(rng, monkeypatch):
+    """One-row windows over the plan kernel's own plan run the direct kernel (no window plan: the
+    block streams its row's pages of the piece in order). Rows shorter than a piece, one page past
+    one, two pieces and one, tails of 0-3 tokens, inert and stale rows, two requests: against the
+    oracle, and bitwise the same as two-row windows sharing a union."""
+    p = small_problem(rng, [120, 40], None, positions=[31, 32, 65, 50, -3, 35, 39, 130, 98, 20],
+                      req_ids=[0, 0, 0, 3, 0, 1, 1, 0, 0, 0])
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=26)
+    orig = grouped.grouped_config
+    plans = []
+    make_plan = grouped.make_window_plan_kernel
+    monkeypatch.setattr(grouped, "make_window_plan_kernel", lambda *a: plans.append(a) or make_plan(*a))
+    results = []
+    for g in (1, 2):
+        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _g=g):
+            base = orig(d, hg, rows, kb1, hkv, profile, single)
+            return grouped.GroupedConfig(d, hg, base.stages, base.stage_pages, _g, base.plan_threads,
+                                         piece=base.piece, producers=base.producers, fused=base.fused)
+        monkeypatch.setattr(grouped, "grouped_config", cfg)
+        results.append(run_attention(p, tokens, counts, "page4"))
+        assert bool(plans) == (g == 2)
+    check(p, tokens, counts, *results[0])
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_window_plan_marks_solo_rows_and_pieces(rng):
     """Random (low-overlap) selections spread chunks over more stages than the ring keeps: such rows
     are solo; rows of more than one piece are merged. The union holds each group once."""
@@ -145,10 +171,14 @@ def test_grouped_launch_shape_invariance(rng, monkeypatch):
     """The launch shape never changes a row's bits: ring depth (a chunk spread over every stage, or
     rows run solo), copy warps sharing a stage (1 or 2 producers), window size (1 or 2 rows) and the
     schedule of pieces (a block each and the merge kernel, or one block folding them all) only
-    change where operands are loaded from, who waits on which mbarrier and who folds."""
+    change where operands are loaded from, who waits on which mbarrier and who folds; one-row
+    windows stream their own pages with no window plan (the direct kernel)."""
     p = small_problem(rng, [160], [3], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=16, mode="random")
     orig = grouped.grouped_config
+    plans = []
+    make_plan = grouped.make_window_plan_kernel
+    monkeypatch.setattr(grouped, "make_window_plan_kernel", lambda *a: plans.append(a) or make_plan(*a))
     results = []
     for stages, producers, g, fused in ((2, 2, 2, False), (3, 1, 1, True), (3, 2, 2, True)):
         def cfg(d, hg, rows, kb1, hkv, profile, single=False, _s=stages, _p=producers, _g=g,
@@ -158,7 +188,10 @@ def test_grouped_launch_shape_invariance(rng, monkeypatch):
                                          base.plan_threads, piece=base.piece, producers=_p,
                                          fused=_f)
         monkeypatch.setattr(grouped, "grouped_config", cfg)
+        before = len(plans)
         results.append(run_attention(p, tokens, counts, "page4"))
+        # one-row windows over the plan kernel's own plan run direct: no window plan
+        assert (len(plans) == before) == (g == 1)
     check(p, tokens, counts, *results[0])
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])

@@ -138,8 +138,17 @@ def keys_shape(tokens, pages, r):
     return int(tokens.shape[0]), min(int(tokens.shape[1]), int(pages.shape[1]) * int(r))
 
 
-def plan_threads(profile):
-    return 32 if SIMULATOR else 128
+def plan_threads(profile, slots=1, rows=1):
+    """Threads of a row's block: 128, or one per plan entry (``slots``, a multiple of 32, up to
+    1024) while the rows' blocks fit the GPU at once, so that every page's loads issue together
+    (H200, session 11, 513 slots: one row 8.8 -> 5.3 us, 256 rows 9.6 -> 6.5 us; but at 4096 rows
+    33.5 -> 50 us, where 128-thread blocks already fill every SM). The plan is integers: its
+    launch shape changes no bits. The simulator runs 32 (its loops cover the rest)."""
+    if SIMULATOR:
+        return 32
+    wide = min(1024, max(128, 32 * -(-int(slots) // 32)))
+    fits = int(rows) * wide <= int(profile.sm_count) * int(profile.max_threads_per_sm)
+    return wide if fits else 128
 
 
 def launch_plan(tokens, counts, block_table, req_ids, seq_lens, geometry, pages, num_vpages,
@@ -151,7 +160,7 @@ def launch_plan(tokens, counts, block_table, req_ids, seq_lens, geometry, pages,
     rows = tokens.shape[0]
     if rows == 0:
         return pages, num_vpages, tail_len
-    k = make_plan_kernel(plan_threads(profile), int(r))
+    k = make_plan_kernel(plan_threads(profile, pages.shape[1], rows), int(r))
     k[rows, k.threads, stream](tokens, counts, block_table, req_ids, seq_lens, geometry, pages,
                                num_vpages, tail_len)
     return pages, num_vpages, tail_len
