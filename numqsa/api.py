@@ -87,11 +87,13 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
                validate=validate, stream=handle)
         if out is not None:
             if not isinstance(out, (tuple, list)) or len(out) not in (2, 4):
-                raise V.QSAInputError("out must be a tuple (out, lse) or (out, lse, tokens, counts)")
+                raise V.QSAInputError("out must be a tuple (out, lse) or (out, lse, tokens, "
+                                      "counts)")
             if len(out) == 2:
                 out = tuple(out) + _fresh_selection(w, lead_kind, q, workspace, key)
         elif workspace is not None:
-            specs = [("out", (w._rows, w.Hq, w.D), w.out_dtype), ("lse", (w._rows, w.Hq), "float32"),
+            specs = [("out", (w._rows, w.Hq, w.D), w.out_dtype),
+                     ("lse", (w._rows, w.Hq), "float32"),
                      ("tokens", (w._rows, w.width), "int32"), ("counts", (w._rows,), "int32")]
             out = workspace.outputs(key, specs, lead_kind, q, dev.resolve_stream(handle))
         result = w.run(qi, index_cache, q, k_cache, v_cache, out=out, return_selection=True,
@@ -164,8 +166,8 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
                      req_ids=req_ids, positions=positions, seq_lens=seq_lens, out=out,
                      workspace=None if keep is not None else workspace)
     with dev.on_device(device):
-        w = cached_wrapper("select", handle, keep, device, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r, Kb=Kb,
-                           dtype=qd, score_bytes=score_bytes)
+        w = cached_wrapper("select", handle, keep, device, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r,
+                           Kb=Kb, dtype=qd, score_bytes=score_bytes)
         w.plan(req_ids, positions, seq_lens, index_block_table, num_groups=num_groups,
                validate=validate, stream=handle)
         scores = None

@@ -427,7 +427,7 @@ def constant(values, stream):
 _SAME = contextlib.nullcontext()    # on_device's answer when nothing needs to switch (reusable)
 _sim = threading.local()            # the simulator's current device id
 _DLPACK_CUDA = (2, 3, 13)           # DLPack device types kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-_driver = []                        # cuda.bindings.driver and its success code, imported on first use
+_driver = []                        # cuda.bindings.driver and its success code (on first use)
 
 
 def _cu():
@@ -515,8 +515,8 @@ class _SimulatedDevice:
 
 
 def on_device(device):
-    """A context manager running its block on ``device``: numba's ``cuda.gpus[device]``, which pushes
-    that device's primary context and pops it on exit (the caller's current device is left as it
+    """A context manager running its block on ``device``: numba's ``cuda.gpus[device]``, which
+    pushes that device's primary context and pops it on exit (the caller's current device is left as it
     was, on errors too); a shared null context when ``device`` is None or already current (the
     one-GPU case: one driver call, nothing pushed)."""
     if device is None or device == current_device():
@@ -530,14 +530,14 @@ def device_error(first, other):
     """The refusal of two arrays of one call on two devices (``(name, device)`` pairs)."""
     from oracle.validate import QSAInputError
     (n1, d1), (n2, d2) = first, other
-    return QSAInputError(f"{n1} is on {device_name(d1)} and {n2} on {device_name(d2)}: the arrays of "
-                         f"one call must be on one device (numqsa runs a call on its arrays' "
+    return QSAInputError(f"{n1} is on {device_name(d1)} and {n2} on {device_name(d2)}: the arrays "
+                         f"of one call must be on one device (numqsa runs a call on its arrays' "
                          f"device); move {n2} to {device_name(d1)} or {n1} to {device_name(d2)}")
 
 
 def same_device(named):
-    """The device of the CUDA arrays among ``named`` (``(name, array)`` pairs; NumPy arrays, None and
-    anything that is not a CUDA array are skipped), or None if there are none. Arrays on two devices
+    """The device of the CUDA arrays among ``named`` (``(name, array)`` pairs; NumPy arrays, None
+    and anything that is not a CUDA array are skipped), or None if there are none. Arrays on two devices
     raise :class:`QSAInputError` naming both."""
     first = None
     for name, x in named:

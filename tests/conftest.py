@@ -3,8 +3,8 @@
 ``NUMBA_ENABLE_CUDASIM`` must be decided before numba is first imported, so it is set here. On a GPU
 machine, ``pytest -m gpu`` runs the real-shape tier (torch required); without one those tests are
 skipped. ``multi_gpu`` tests (also marked ``gpu``; ``pytest -m multi_gpu``) are skipped on a host
-with fewer than two GPUs. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` in pyproject.toml),
-``pytest -m slow`` the longer simulator cases.
+with fewer than two GPUs. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` in
+pyproject.toml), ``pytest -m slow`` the longer simulator cases.
 Seeds: each test gets a generator seeded from the session seed (``NUMQSA_SEED``, random by default,
 printed in the header) and the test's id, so a failure can be replayed exactly.
 """

@@ -88,7 +88,8 @@ def test_mixed_devices_refused_before_any_launch(seed):
     assert all(np.isnan(b.copy_to_host()).all() for b in bufs)   # nothing ran
     with dev.on_device(1):
         out1 = dev.to_device(poison(np.empty((5, 4, 32), np.float16)))
-    with pytest.raises(numqsa.QSAInputError, match=r"q is on cuda:0 and out\[0\] \(out\) on cuda:1"):
+    with pytest.raises(numqsa.QSAInputError,
+                       match=r"q is on cuda:0 and out\[0\] \(out\) on cuda:1"):
         w.run(*[a0[n] for n in LAYER], out=(out1, bufs[1]))
     # the functional calls and the single-stage functions check every array (and out=) first
     args = [a0[n] for n in FULL]

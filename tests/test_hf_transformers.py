@@ -446,7 +446,7 @@ def test_greedy_generation_matches_hf_eager_gpu(seed):
     assert got.shape[1] == ids.shape[1] + 32
 
 
-# ---- two GPUs (``-m multi_gpu``; skipped with fewer) ----------------------------------------------
+# ---- two GPUs (``-m multi_gpu``; skipped with fewer) ---------------------------------------------
 
 def _two_gpu_map(model):
     """A ``device_map`` putting the first decoder layer and everything but the layers on cuda:0 and

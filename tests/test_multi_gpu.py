@@ -48,7 +48,7 @@ def test_multi_gpu_wrapper_on_second_device_bitwise(seed):
     want = host(wrapper().plan(*on(torch, p, META, "cuda:0")).run(*on(torch, p, LAYER, "cuda:0"),
                                                                  return_selection=True))
     w = wrapper().plan(*on(torch, p, META, "cuda:1"))
-    for stream in (None, torch.cuda.Stream(device=1)):   # device 1's current stream, then a given one
+    for stream in (None, torch.cuda.Stream(device=1)):   # device 1's current stream, a given one
         got = w.run(*on(torch, p, LAYER, "cuda:1"), return_selection=True, stream=stream)
         torch.cuda.synchronize(1)
         assert current_devices(torch) == (0, 0)
