@@ -260,7 +260,11 @@ def current_stream_handle(kind, like=None):
         import cupy
         if like is None:
             return int(cupy.cuda.get_current_stream().ptr)
-        return int(cupy.cuda.get_current_stream(like.device.id).ptr)
+        try:
+            return int(cupy.cuda.get_current_stream(like.device.id).ptr)
+        except TypeError:       # an older CuPy: the current device's stream only
+            with like.device:
+                return int(cupy.cuda.get_current_stream().ptr)
     return 0
 
 
