@@ -450,7 +450,9 @@ def current_device():
     """The ordinal of the device whose context is current on this thread.
 
     0 when no context is current: numba then makes device 0's primary context current at its first
-    use, as it always did. One driver call (``cuCtxGetDevice``); the simulator's id otherwise.
+    use, as it always did. One driver call (``cuCtxGetDevice``), every call of a run: numba's
+    ``cuda.get_current_device()`` takes a lock, asks the driver twice and would make device 0's
+    context current itself when none is. The simulator's id otherwise.
     """
     if SIMULATOR:
         return getattr(_sim, "device", 0)
