@@ -1,9 +1,10 @@
 """The functional API over :class:`numqsa.QSAPrefillWrapper`: :func:`qsa_prefill`, :func:`select`,
 :func:`sparse_attention`.
 
-Each call plans the batch and runs one layer (or one half) on a wrapper kept per geometry, stream
-and thread (or in the caller's :class:`numqsa.Workspace`), so repeated calls of one layout reuse
-the prepared launches. The single-stage functions (``index_scores``, ``page4_plan``, ...) have
+Each call plans the batch and runs one layer (or one half) on a wrapper kept per geometry, device,
+stream and thread (or in the caller's :class:`numqsa.Workspace`), so repeated calls of one layout
+reuse the prepared launches. A call runs on the device of its CUDA arrays, all checked to be on one
+device before anything is copied or launched. The single-stage functions (``index_scores``, ``page4_plan``, ...) have
 nothing to plan: they are their stages' launchers (:mod:`numqsa.stages`).
 """
 from __future__ import annotations

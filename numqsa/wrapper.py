@@ -15,6 +15,12 @@ changed are re-pointed): no argument marshalling, no allocation (with ``out=``),
 While the caller's stream is being captured the launches go one by one into the caller's capture
 instead. Up to ``max_programs`` layouts are kept.
 
+Devices: a plan lives on the device of its device metadata (NumPy metadata are copied to the
+current device); ``run`` takes its device from its first array, refuses arrays of another device
+(and a layer on another device than the plan's) before any launch, and runs inside that device's
+context (:func:`numqsa.device.on_device`), leaving the caller's current device as it was. Programs,
+buffers and streams are kept per device; under ``device_map``, keep one wrapper per device.
+
 CUDA graphs: run once eagerly (compiles, prepares), then capture ``run`` on the capturing stream
 (``torch.cuda.graph(g, stream=s)`` and ``stream=s``, with ``out=`` buffers), write new inputs into
 the same tensors and ``g.replay()``.
