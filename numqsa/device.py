@@ -35,7 +35,7 @@ from .plan import PROFILES
 
 __all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
            "as_numba", "describe", "new_array", "current_stream_handle", "stream_handle",
-           "host_int32", "is_bf16", "array_device", "call_device", "current_device", "on_device",
+           "host_int32", "is_bf16", "array_device", "current_device", "on_device",
            "same_device", "device_error", "on_arrays_device", "device_name"]
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -500,12 +500,6 @@ def array_device(x, kind):
     return None if cai is None else _pointer_device(cai["data"][0])
 
 
-def call_device(x, kind):
-    """The device a call led by array ``x`` runs on: ``x``'s, or the current one for NumPy."""
-    d = array_device(x, kind)
-    return current_device() if d is None else d
-
-
 class _SimulatedDevice:
     """The simulator's ``cuda.gpus[i]``: sets the simulated current device id, then restores it."""
 
@@ -522,9 +516,9 @@ class _SimulatedDevice:
 
 def on_device(device):
     """A context manager running its block on ``device``: numba's ``cuda.gpus[device]``, which
-    pushes that device's primary context and pops it on exit (the caller's current device is left as it
-    was, on errors too); a shared null context when ``device`` is None or already current (the
-    one-GPU case: one driver call, nothing pushed)."""
+    pushes that device's primary context and pops it on exit (the caller's current device is left
+    as it was, on errors too); a shared null context when ``device`` is None or already current
+    (the one-GPU case: one driver call, nothing pushed)."""
     if device is None or device == current_device():
         return _SAME
     if SIMULATOR:
@@ -543,8 +537,8 @@ def device_error(first, other):
 
 def same_device(named):
     """The device of the CUDA arrays among ``named`` (``(name, array)`` pairs; NumPy arrays, None
-    and anything that is not a CUDA array are skipped), or None if there are none. Arrays on two devices
-    raise :class:`QSAInputError` naming both."""
+    and anything that is not a CUDA array are skipped), or None if there are none. Arrays on two
+    devices raise :class:`QSAInputError` naming both."""
     first = None
     for name, x in named:
         kind = _cuda_kind(x)
