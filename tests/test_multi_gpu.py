@@ -3,8 +3,8 @@
 In one process: arrays on ``cuda:1`` while the caller's current device is 0 run on ``cuda:1`` (its
 context, its current stream), bitwise equal to ``cuda:0``, and leave the current device at 0;
 wrappers of the two devices alternate layer by layer as under HF's ``device_map``; arrays of one
-call on two devices are refused before any launch; CUDA graphs capture and replay on ``cuda:1``.
-One process per GPU: ``tests/multi_gpu_torchrun.py`` under ``torchrun --nproc_per_node 2``, each
+call on two devices are refused before any launch; CUDA graphs capture and replay on ``cuda:1``;
+torch, CuPy, numba and DLPack arrays alike. One process per GPU: ``tests/multi_gpu_torchrun.py`` under ``torchrun --nproc_per_node 2``, each
 rank's output bitwise equal to the one-GPU result of its batch. The HF model split by
 ``device_map`` and under ``tp_plan="auto"``: ``tests/test_hf_transformers.py``'s ``multi_gpu``
 tests. The same bookkeeping without GPUs (fake device ids): ``tests/test_devices.py``.
@@ -117,6 +117,46 @@ def test_multi_gpu_numba_arrays_on_second_device(seed):
         meta, layer = ([cuda.to_device(np.ascontiguousarray(p[k])) for k in names]
                        for names in (META, LAYER))
     got = wrapper().plan(*meta).run(*layer)
+    assert current_devices(torch) == (0, 0)
+    with cuda.gpus[1]:
+        got = [x.copy_to_host() for x in got]
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
+class _DLPackOnly:
+    """A DLPack producer and nothing else (numqsa reads it through ``StridedMemoryView``)."""
+
+    def __init__(self, t):
+        self.t, self.shape, self.dtype = t, tuple(t.shape), np.dtype(str(t.dtype)[6:])
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.t.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_multi_gpu_cupy_and_dlpack_on_second_device(seed):
+    """CuPy arrays made on device 1 come back as CuPy arrays of device 1; DLPack producers of
+    device 1 as numba arrays there; both bitwise equal to cuda:0, the current device left at 0."""
+    import torch
+    from numba import cuda
+    torch.cuda.set_device(0)
+    p = gpu_problem(seed, rows=256)
+    want = host(wrapper().plan(*on(torch, p, META, "cuda:0")).run(*on(torch, p, LAYER, "cuda:0")))
+    cupy = pytest.importorskip("cupy")
+    with cupy.cuda.Device(1):
+        meta, layer = ([cupy.asarray(np.ascontiguousarray(p[k])) for k in names]
+                       for names in (META, LAYER))
+    got = wrapper().plan(*meta).run(*layer)
+    assert current_devices(torch) == (0, 0) and cupy.cuda.Device().id == 0
+    assert all(isinstance(x, cupy.ndarray) and x.device.id == 1 for x in got)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, cupy.asnumpy(b))
+    layer = [_DLPackOnly(t) for t in on(torch, p, LAYER, "cuda:1")]
+    got = wrapper().plan(*on(torch, p, META, "cuda:1")).run(*layer)
+    torch.cuda.synchronize(1)
     assert current_devices(torch) == (0, 0)
     with cuda.gpus[1]:
         got = [x.copy_to_host() for x in got]
