@@ -27,10 +27,15 @@ echo "git ${NUMQSA_REV:-$(git rev-parse HEAD 2>/dev/null)}" | tee -a "$LOG/devic
 # Each tier's budget (issue 26): 3 minutes for sm_90, 2 for the sm_70 kernels (130 s and 113 s at
 # cd99408, four pytest-xdist processes: tests/conftest.py); --durations names the tests to look at
 # when one grows past it.
-step "pytest -m gpu (sm_90)" gpu_sm90.log 180 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 ${K:+-k "$K"} tests
+# The two-GPU tests (issue 25) are a step of their own, on hosts with two GPUs or more.
+step "pytest -m gpu (sm_90)" gpu_sm90.log 180 python3 -m pytest -m "gpu and not multi_gpu" -q -p no:cacheprovider --durations=25 ${K:+-k "$K"} tests
 # The emulated m8n8k4 kernels are slow on the H200: their tier skips the 131K-context cases, and the
 # mma demo tests, which name their instruction themselves (the same kernels as the sm_90 tier's).
-step "pytest -m gpu (NUMQSA_ARCH=sm_70)" gpu_sm70.log 120 env NUMQSA_ARCH=sm_70 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 -k "${K:+$K and }not 131072 and not demo_gemm_gpu and not tiles_exact_gpu" tests
+step "pytest -m gpu (NUMQSA_ARCH=sm_70)" gpu_sm70.log 120 env NUMQSA_ARCH=sm_70 python3 -m pytest -m "gpu and not multi_gpu" -q -p no:cacheprovider --durations=25 -k "${K:+$K and }not 131072 and not demo_gemm_gpu and not tiles_exact_gpu" tests
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    # not yet run on hardware: no budget measured; -n 2, as the torchrun test holds both GPUs
+    step "pytest -m multi_gpu (two GPUs)" multi_gpu.log 600 python3 -m pytest -m multi_gpu -n 2 -q -p no:cacheprovider --durations=25 ${K:+-k "$K"} tests
+fi
 step "main job" main.log 45 python3 -m numqsa
 if command -v compute-sanitizer >/dev/null; then
     step "compute-sanitizer (bench/sanitize.py)" sanitizer.log 120 python3 bench/sanitize.py --out "$LOG/sanitize" --quick-racecheck

@@ -70,7 +70,7 @@ def main():
         cuda.synchronize()
         counts = out[3].copy_to_host()
         want = 4 * np.minimum(kb, nb) + (pos + 1 - 4 * nb)
-        width = w._ws._buffers["page4.pages"].shape[1]
+        width = w._ws.kept("page4.pages").shape[1]
         check = "ok" if np.array_equal(counts, want) else "FAIL"
         print(f"Kb {kb:>6}: {('%.3f ms' % ms) if check == 'ok' else 'n/a':>12}  page-4 plan "
               f"{width} pages  counts {check}", flush=True)

@@ -1,9 +1,10 @@
 """The functional API over :class:`numqsa.QSAPrefillWrapper`: :func:`qsa_prefill`, :func:`select`,
 :func:`sparse_attention`.
 
-Each call plans the batch and runs one layer (or one half) on a wrapper kept per geometry, stream
-and thread (or in the caller's :class:`numqsa.Workspace`), so repeated calls of one layout reuse
-the prepared launches. The single-stage functions (``index_scores``, ``page4_plan``, ...) have
+Each call plans the batch and runs one layer (or one half) on a wrapper kept per geometry, device,
+stream and thread (or in the caller's :class:`numqsa.Workspace`), so repeated calls of one layout
+reuse the prepared launches. A call runs on the device of its CUDA arrays, all checked to be on one
+device before anything is copied or launched. The single-stage functions (``index_scores``, ``page4_plan``, ...) have
 nothing to plan: they are their stages' launchers (:mod:`numqsa.stages`).
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ from .stages.common import fill_out, kernel_dtype
 from .wrapper import Workspace, cached_wrapper
 
 __all__ = ["qsa_prefill", "select", "sparse_attention"]
+
+# a forced route runs the direct launcher, on its arrays' device
+_attention_launch = dev.on_arrays_device(attention_launch)
 
 
 def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cache: Any,
@@ -72,28 +76,47 @@ def qsa_prefill(qi: Any, index_cache: Any, index_block_table: Any, q: Any, k_cac
         raise V.QSAInputError(f"Hq = {geometry['Hq']} is not a positive multiple of Hkv = "
                               f"{geometry['Hkv']}")
     lead_kind = dev.array_kind(q, "q")
-    handle = (dev.current_stream_handle(lead_kind, q) if stream is None
-              else dev.stream_handle(stream))
-    w = cached_wrapper("prefill", handle, workspace, **geometry)
-    key = (w.out_dtype, handle)           # the kept outputs: shapes are compared on use
-    w.plan(req_ids, positions, seq_lens, block_table, index_block_table, num_groups=num_groups,
-           validate=validate, stream=handle)
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) not in (2, 4):
-            raise V.QSAInputError("out must be a tuple (out, lse) or (out, lse, tokens, counts)")
-        if len(out) == 2:
-            out = tuple(out) + _fresh_selection(w, lead_kind, q, workspace, key)
-    elif workspace is not None:
-        specs = [("out", (w._rows, w.Hq, w.D), w.out_dtype), ("lse", (w._rows, w.Hq), "float32"),
-                 ("tokens", (w._rows, w.width), "int32"), ("counts", (w._rows,), "int32")]
-        out = workspace.outputs(key, specs, lead_kind, q, dev.resolve_stream(handle))
-    result = w.run(qi, index_cache, q, k_cache, v_cache, out=out, return_selection=True,
-                   stream=handle)
-    if lead_kind == "numpy" and workspace is not None:
-        s = dev.resolve_stream(handle)
-        result = tuple(dev.host_like(x, True, s) if not isinstance(x, np.ndarray) else x
-                       for x in result)
-    return result
+    device = _device(qi=qi, index_cache=index_cache, index_block_table=index_block_table, q=q,
+                     k_cache=k_cache, v_cache=v_cache, block_table=block_table, req_ids=req_ids,
+                     positions=positions, seq_lens=seq_lens, out=out)
+    with dev.on_device(device):
+        handle = (dev.current_stream_handle(lead_kind, q) if stream is None
+                  else dev.stream_handle(stream))
+        w = cached_wrapper("prefill", handle, workspace, device, **geometry)
+        key = (w.out_dtype, handle)           # the kept outputs: shapes are compared on use
+        w.plan(req_ids, positions, seq_lens, block_table, index_block_table, num_groups=num_groups,
+               validate=validate, stream=handle)
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) not in (2, 4):
+                raise V.QSAInputError("out must be a tuple (out, lse) or (out, lse, tokens, "
+                                      "counts)")
+            if len(out) == 2:
+                out = tuple(out) + _fresh_selection(w, lead_kind, q, workspace, key)
+        elif workspace is not None:
+            specs = [("out", (w._rows, w.Hq, w.D), w.out_dtype),
+                     ("lse", (w._rows, w.Hq), "float32"),
+                     ("tokens", (w._rows, w.width), "int32"), ("counts", (w._rows,), "int32")]
+            out = workspace.outputs(key, specs, lead_kind, q, dev.resolve_stream(handle))
+        result = w.run(qi, index_cache, q, k_cache, v_cache, out=out, return_selection=True,
+                       stream=handle)
+        if lead_kind == "numpy" and workspace is not None:
+            s = dev.resolve_stream(handle)
+            result = tuple(dev.host_like(x, True, s) if not isinstance(x, np.ndarray) else x
+                           for x in result)
+        return result
+
+
+def _device(**arrays):
+    """The call's device: that of its CUDA arrays (``out`` buffers included), checked to be one
+    before anything is copied or launched; the current device when every array is NumPy."""
+    named = []
+    for name, a in arrays.items():
+        if name == "out" and isinstance(a, (tuple, list)):
+            named.extend((f"{name}[{i}]", x) for i, x in enumerate(a))
+        else:
+            named.append((name, a))
+    d = dev.same_device(named)
+    return dev.current_device() if d is None else d
 
 
 def _fresh_selection(w, kind, like, workspace, key):
@@ -140,24 +163,28 @@ def select(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, 
     handle = (dev.current_stream_handle(lead_kind, qi) if stream is None
               else dev.stream_handle(stream))
     keep = workspace if isinstance(workspace, Workspace) else None
-    w = cached_wrapper("select", handle, keep, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r, Kb=Kb,
-                       dtype=qd, score_bytes=score_bytes)
-    w.plan(req_ids, positions, seq_lens, index_block_table, num_groups=num_groups,
-           validate=validate, stream=handle)
-    scores = None
-    if workspace is not None and keep is None:
-        need = w.score_elements(index_cache)
-        V.check_array(workspace, "workspace")
-        if rows and (V.dtype_name(workspace) != "float32"
-                     or int(np.prod(workspace.shape)) < need):
-            raise V.QSAInputError(f"workspace must be float32 with >= {need} elements")
-        if not isinstance(workspace, np.ndarray):
-            scores = workspace
-    if out is not None:
-        shapes = ((rows, w.width), (rows,), (rows, Kb))
-        out = fill_out(out, ("tokens", "counts", "groups"),
-                       lambda i: dev.new_array(lead_kind, shapes[i], np.int32, qi, None))
-    return w.run_select(qi, index_cache, out=out, stream=handle, scores=scores)
+    device = _device(qi=qi, index_cache=index_cache, index_block_table=index_block_table,
+                     req_ids=req_ids, positions=positions, seq_lens=seq_lens, out=out,
+                     workspace=None if keep is not None else workspace)
+    with dev.on_device(device):
+        w = cached_wrapper("select", handle, keep, device, Hi=hi, Di=di, Hq=1, Hkv=1, D=1, r=r,
+                           Kb=Kb, dtype=qd, score_bytes=score_bytes)
+        w.plan(req_ids, positions, seq_lens, index_block_table, num_groups=num_groups,
+               validate=validate, stream=handle)
+        scores = None
+        if workspace is not None and keep is None:
+            need = w.score_elements(index_cache)
+            V.check_array(workspace, "workspace")
+            if rows and (V.dtype_name(workspace) != "float32"
+                         or int(np.prod(workspace.shape)) < need):
+                raise V.QSAInputError(f"workspace must be float32 with >= {need} elements")
+            if not isinstance(workspace, np.ndarray):
+                scores = workspace
+        if out is not None:
+            shapes = ((rows, w.width), (rows,), (rows, Kb))
+            out = fill_out(out, ("tokens", "counts", "groups"),
+                           lambda i: dev.new_array(lead_kind, shapes[i], np.int32, qi, None))
+        return w.run_select(qi, index_cache, out=out, stream=handle, scores=scores)
 
 
 def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, *,
@@ -182,10 +209,10 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     the page-4 route needs selections of whole aligned groups plus one tail run.
     """
     if route_name is not None:
-        return attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids,
-                                seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
-                                stream=stream, route_name=route_name, workspace=workspace,
-                                validate=validate)
+        return _attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids,
+                                 seq_lens, scale=scale, r=r, out_dtype=out_dtype, out=out,
+                                 stream=stream, route_name=route_name, workspace=workspace,
+                                 validate=validate)
     r, rows, num_pages, page_size, hkv, d, hq, qd, kd = check_common(q, k_cache, v_cache, req_ids,
                                                                       seq_lens, r)
     kb = V.check_selection(tokens, counts, rows, r)
@@ -196,12 +223,15 @@ def sparse_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     handle = (dev.current_stream_handle(lead_kind, q) if stream is None
               else dev.stream_handle(stream))
     keep = workspace if isinstance(workspace, Workspace) else None
-    w = cached_wrapper("attention", handle, keep, Hi=1, Di=1, Hq=hq, Hkv=hkv, D=d, r=r,
-                       Kb=max(1, kb), dtype=qd, out_dtype=od, scale=scale)
-    # the table was checked above (or not, as validate says): the plan does not check it again
-    w.plan(req_ids, None, seq_lens, block_table, validate=False, stream=handle)
-    if out is not None:
-        shapes = (((rows, hq, d), od), ((rows, hq), "float32"))
-        out = fill_out(out, ("out", "lse"),
-                       lambda i: dev.new_array(lead_kind, shapes[i][0], shapes[i][1], q, None))
-    return w.run_attention(q, k_cache, v_cache, tokens, counts, out=out, stream=handle)
+    device = _device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                     tokens=tokens, counts=counts, req_ids=req_ids, seq_lens=seq_lens, out=out)
+    with dev.on_device(device):
+        w = cached_wrapper("attention", handle, keep, device, Hi=1, Di=1, Hq=hq, Hkv=hkv, D=d, r=r,
+                           Kb=max(1, kb), dtype=qd, out_dtype=od, scale=scale)
+        # the table was checked above (or not, as validate says): the plan does not check it again
+        w.plan(req_ids, None, seq_lens, block_table, validate=False, stream=handle)
+        if out is not None:
+            shapes = (((rows, hq, d), od), ((rows, hq), "float32"))
+            out = fill_out(out, ("out", "lse"),
+                           lambda i: dev.new_array(lead_kind, shapes[i][0], shapes[i][1], q, None))
+        return w.run_attention(q, k_cache, v_cache, tokens, counts, out=out, stream=handle)

@@ -12,8 +12,20 @@ viewed without a copy as a numba device array of dtype ``ml_dtypes.bfloat16`` (:
 numba never types such an array: the kernel launchers pass its uint16 view
 (:func:`numqsa.kernels.common.bits16`). Results in bfloat16 come back as ``ml_dtypes.bfloat16``
 NumPy arrays, ``torch.bfloat16`` tensors, or numba arrays of dtype ``ml_dtypes.bfloat16``.
+
+Devices: a call runs on the device of its CUDA arrays (:func:`array_device`), inside
+:func:`on_device`, which makes that device's primary context current through numba's own
+``cuda.gpus[i]`` (and leaves the caller's current context as it was afterwards) only when it is not
+already current. Arrays of one call on two devices are refused (:func:`same_device`). What numqsa
+keeps between calls (prepared launches, workspaces, constants, the functional calls' wrappers) is
+kept per device. The simulator has one device; there :func:`on_device` switches a simulated device
+id and the arrays made by :func:`empty` / :func:`to_device` carry the id they were made on, so the
+tests can check the bookkeeping with fake device ids.
 """
+import contextlib
+import functools
 import os
+import threading
 
 import numpy as np
 from numba import cuda
@@ -23,7 +35,8 @@ from .plan import PROFILES
 
 __all__ = ["resolve_stream", "as_device", "to_device", "copy_to_device", "device_cc", "host_like", "empty", "is_host", "array_kind",
            "as_numba", "describe", "new_array", "current_stream_handle", "stream_handle",
-           "host_int32", "is_bf16"]
+           "host_int32", "is_bf16", "array_device", "current_device", "on_device",
+           "same_device", "device_error", "on_arrays_device", "device_name"]
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 _BUILDABLE = set()         # compute capabilities this install's toolchain was checked to build
@@ -168,8 +181,15 @@ def to_device(a, stream=0):
     the buffer protocol, which NumPy refuses for that dtype, so its bits travel as uint16."""
     a = np.ascontiguousarray(a)
     if is_bf16(a):
-        return cuda.to_device(a.view(np.uint16), stream=stream).view(a.dtype)
-    return cuda.to_device(a, stream=stream)
+        return _made(cuda.to_device(a.view(np.uint16), stream=stream).view(a.dtype))
+    return _made(cuda.to_device(a, stream=stream))
+
+
+def _made(a):
+    """A fresh device array; in the simulator it carries the simulated device it was made on."""
+    if SIMULATOR:
+        a._numqsa_device = current_device()
+    return a
 
 
 def copy_to_device(buf, host, stream=0):
@@ -224,10 +244,11 @@ def new_array(kind, shape, dtype, like, stream):
         return torch.empty(tuple(shape), dtype=td, device=like.device)
     if kind == "cupy":
         import cupy
-        return cupy.empty(tuple(shape), dtype=dtype)
+        with like.device:               # CuPy allocates on its current device
+            return cupy.empty(tuple(shape), dtype=dtype)
     if kind == "numpy":
         return np.empty(tuple(shape), dtype)
-    return cuda.device_array(tuple(shape), dtype=dtype, stream=stream)
+    return _made(cuda.device_array(tuple(shape), dtype=dtype, stream=stream))
 
 
 def current_stream_handle(kind, like=None):
@@ -237,7 +258,13 @@ def current_stream_handle(kind, like=None):
         return int(torch.cuda.current_stream(like.device).cuda_stream)
     if kind == "cupy":
         import cupy
-        return int(cupy.cuda.get_current_stream().ptr)
+        if like is None:
+            return int(cupy.cuda.get_current_stream().ptr)
+        try:
+            return int(cupy.cuda.get_current_stream(like.device.id).ptr)
+        except TypeError:       # an older CuPy: the current device's stream only
+            with like.device:
+                return int(cupy.cuda.get_current_stream().ptr)
     return 0
 
 
@@ -266,7 +293,7 @@ def host_like(result, was_host, stream):
 
 
 def empty(shape, dtype, stream):
-    return cuda.device_array(shape, dtype=np_dtype(dtype), stream=stream)
+    return _made(cuda.device_array(shape, dtype=np_dtype(dtype), stream=stream))
 
 
 def device_cc():
@@ -390,12 +417,169 @@ def constant(values, stream):
     through here, so repeated calls neither allocate nor copy, as CUDA-graph capture requires.
     """
     a = np.ascontiguousarray(values)
-    try:
-        device_id = cuda.get_current_device().id
-    except Exception:          # the simulator's device object differs; one device there
-        device_id = 0
-    key = (device_id, a.dtype.str, a.shape, a.tobytes())
+    key = (current_device(), a.dtype.str, a.shape, a.tobytes())
     buf = _CONSTANTS.get(key)
     if buf is None:
         buf = _CONSTANTS[key] = cuda.to_device(a, stream=stream)
     return buf
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices: which one holds an array, which one is current, running a call on an array's device
+# ------------------------------------------------------------------------------------------------
+
+_SAME = contextlib.nullcontext()    # on_device's answer when nothing needs to switch (reusable)
+_sim = threading.local()            # the simulator's current device id
+_DLPACK_CUDA = (2, 3, 13)           # DLPack device types kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+_driver = []                        # cuda.bindings.driver and its success code (on first use)
+
+
+def _cu():
+    if not _driver:
+        from cuda.bindings import driver
+        _driver.extend((driver, driver.CUresult.CUDA_SUCCESS))
+    return _driver
+
+
+def device_name(device):
+    """``"cuda:1"`` (torch's spelling, which CuPy and numba users read as well)."""
+    return "the host" if device is None else f"cuda:{device}"
+
+
+def current_device():
+    """The ordinal of the device whose context is current on this thread.
+
+    0 when no context is current: numba then makes device 0's primary context current at its first
+    use, as it always did. One driver call (``cuCtxGetDevice``), every call of a run: numba's
+    ``cuda.get_current_device()`` takes a lock, asks the driver twice and would make device 0's
+    context current itself when none is. The simulator's id otherwise.
+    """
+    if SIMULATOR:
+        return getattr(_sim, "device", 0)
+    cu, ok = _cu()
+    err, d = cu.cuCtxGetDevice()
+    return int(d) if err == ok else 0
+
+
+def _pointer_device(ptr):
+    """The ordinal of the device holding device pointer ``ptr`` (None for 0 or a pointer the driver
+    does not know)."""
+    if not ptr:
+        return None
+    cu, ok = _cu()
+    err, ordinal = cu.cuPointerGetAttribute(
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))
+    return int(ordinal) if err == ok else None
+
+
+def array_device(x, kind):
+    """The ordinal of the CUDA device holding ``x`` (``kind`` of :func:`array_kind`), or None: NumPy
+    arrays (copied to the call's device) and empty arrays the driver knows no device of.
+
+    torch ``get_device()``, CuPy ``device.id``, DLPack ``__dlpack_device__``; numba arrays and other
+    ``__cuda_array_interface__`` producers by their data pointer (one driver call), since a numba
+    view made while another device was current names that device's context, not the memory's.
+    In the simulator: the id the array was made on (:func:`on_device`, :func:`empty`), else 0.
+    """
+    if kind == "torch":
+        return x.get_device()
+    if kind == "numpy":
+        return None
+    if SIMULATOR:
+        return getattr(x, "_numqsa_device", 0)
+    if kind == "cupy":
+        return x.device.id
+    if kind == "numba":
+        return _pointer_device(x.device_ctypes_pointer.value)
+    dl = getattr(x, "__dlpack_device__", None)
+    if dl is not None:
+        kind_id, ordinal = dl()
+        if int(kind_id) in _DLPACK_CUDA:
+            return int(ordinal)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    return None if cai is None else _pointer_device(cai["data"][0])
+
+
+class _SimulatedDevice:
+    """The simulator's ``cuda.gpus[i]``: sets the simulated current device id, then restores it."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        self.prev = getattr(_sim, "device", 0)
+        _sim.device = self.device
+
+    def __exit__(self, *exc):
+        _sim.device = self.prev
+
+
+def on_device(device):
+    """A context manager running its block on ``device``: numba's ``cuda.gpus[device]``, which
+    pushes that device's primary context and pops it on exit (the caller's current device is left
+    as it was, on errors too); a shared null context when ``device`` is None or already current
+    (the one-GPU case: one driver call, nothing pushed)."""
+    if device is None or device == current_device():
+        return _SAME
+    if SIMULATOR:
+        return _SimulatedDevice(device)
+    return cuda.gpus[device]
+
+
+def device_error(first, other):
+    """The refusal of two arrays of one call on two devices (``(name, device)`` pairs)."""
+    from oracle.validate import QSAInputError
+    (n1, d1), (n2, d2) = first, other
+    return QSAInputError(f"{n1} is on {device_name(d1)} and {n2} on {device_name(d2)}: the arrays "
+                         f"of one call must be on one device (numqsa runs a call on its arrays' "
+                         f"device); move {n2} to {device_name(d1)} or {n1} to {device_name(d2)}")
+
+
+def same_device(named):
+    """The device of the CUDA arrays among ``named`` (``(name, array)`` pairs; NumPy arrays, None
+    and anything that is not a CUDA array are skipped), or None if there are none. Arrays on two
+    devices raise :class:`QSAInputError` naming both."""
+    first = None
+    for name, x in named:
+        kind = _cuda_kind(x)
+        if kind is None:
+            continue
+        d = array_device(x, kind)
+        if d is None:
+            continue
+        if first is None:
+            first = (name, d)
+        elif d != first[1]:
+            raise device_error(first, (name, d))
+    return None if first is None else first[1]
+
+
+def _cuda_kind(x):
+    """:func:`array_kind` of a CUDA array, None for anything else (never raises: a function's own
+    checks give the reasons)."""
+    if x is None or isinstance(x, (np.ndarray, int, float, str, bool)) or not hasattr(x, "shape"):
+        return None
+    kind = _KINDS.get(type(x)) or _kind_of_type(x)
+    if kind in (None, "numpy") or (kind == "torch" and not x.is_cuda):
+        return None
+    return kind
+
+
+def on_arrays_device(fn):
+    """Decorator for the public single-stage functions: run ``fn`` on the device of its CUDA array
+    arguments (``out=`` buffers included), refusing arrays on two devices before anything runs."""
+    code = fn.__code__
+    names = code.co_varnames[:code.co_argcount]
+
+    @functools.wraps(fn)
+    def on_their_device(*args, **kwargs):
+        named = list(zip(names, args)) + list(kwargs.items())
+        flat = []
+        for name, a in named:
+            if name == "out" and isinstance(a, (tuple, list)):
+                flat.extend((f"{name}[{i}]", x) for i, x in enumerate(a))
+            else:
+                flat.append((name, a))
+        with on_device(same_device(flat)):
+            return fn(*args, **kwargs)
+    return on_their_device

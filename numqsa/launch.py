@@ -32,6 +32,11 @@ calls the dispatcher, as it does on a GPU when ``NUMQSA_PREPARED_LAUNCH=0`` (for
 an argument kind is not understood. A graph launch runs the same kernels with the same parameters as
 the direct launches (same bits); launches of one program on two streams are ordered one after the
 other (one graph executable per program).
+
+A program belongs to the device it was prepared on: its kernel handles come from numba's per-device
+module cache (``CodeLibrary.get_cufunc`` loads a kernel into the current context, once per device)
+and its graph is made in that context. :class:`numqsa.QSAPrefillWrapper` keys its programs by device
+and replays each inside its device's context (:func:`numqsa.device.on_device`).
 """
 import bisect
 import ctypes

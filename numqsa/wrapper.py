@@ -15,6 +15,12 @@ changed are re-pointed): no argument marshalling, no allocation (with ``out=``),
 While the caller's stream is being captured the launches go one by one into the caller's capture
 instead. Up to ``max_programs`` layouts are kept.
 
+Devices: a plan lives on the device of its device metadata (NumPy metadata are copied to the
+current device); ``run`` takes its device from its first array, refuses arrays of another device
+(and a layer on another device than the plan's) before any launch, and runs inside that device's
+context (:func:`numqsa.device.on_device`), leaving the caller's current device as it was. Programs,
+buffers and streams are kept per device; under ``device_map``, keep one wrapper per device.
+
 CUDA graphs: run once eagerly (compiles, prepares), then capture ``run`` on the capturing stream
 (``torch.cuda.graph(g, stream=s)`` and ``stream=s``, with ``out=`` buffers), write new inputs into
 the same tensors and ``g.replay()``.
@@ -95,6 +101,7 @@ class QSAPrefillWrapper:
         self._programs = OrderedDict()
         self._streams = {}
         self._planned = False
+        self._device = None         # the plan's device (that of its metadata)
         self._rows = 0
 
     @staticmethod
@@ -166,17 +173,22 @@ class QSAPrefillWrapper:
                     f"num_groups = {num_groups} is below the longest request's {need} groups "
                     f"(request {q}, seq_len {int(host['seq_lens'][q])}, r = {self.r}); pass "
                     f"num_groups >= max(seq_lens) // r or leave it out")
-        stream_h = (dev.current_stream_handle(kinds[0], req_ids) if stream is None
-                    else dev.stream_handle(stream))
-        nstream = self._numba_stream(stream_h)
-        arrays = {}
-        for (n, x), kind in zip(given, kinds):
-            if alias.get(n):
-                arrays[n] = arrays[alias[n]]
-            elif kind == "numpy":
-                arrays[n] = (self._ws.put(f"meta.{n}", host32[n], nstream), "numba")
-            else:
-                arrays[n] = self._device_ints(x, kind, n, nstream)
+        # the plan's device: its device metadata's (one device), else the current one, which
+        # receives the host metadata's copies
+        device = dev.same_device(given)
+        device = dev.current_device() if device is None else device
+        with dev.on_device(device):
+            stream_h = (dev.current_stream_handle(kinds[0], req_ids) if stream is None
+                        else dev.stream_handle(stream))
+            nstream = self._numba_stream(stream_h)
+            arrays = {}
+            for (n, x), kind in zip(given, kinds):
+                if alias.get(n):
+                    arrays[n] = arrays[alias[n]]
+                elif kind == "numpy":
+                    arrays[n] = (self._ws.put(f"meta.{n}", host32[n], nstream), "numba")
+                else:
+                    arrays[n] = self._device_ints(x, kind, n, nstream)
         self._rows, self._num_reqs = int(rows), int(num_reqs)
         self._groups = num_groups if num_groups is not None else need
         self._host = host
@@ -193,6 +205,8 @@ class QSAPrefillWrapper:
         self._meta_ptrs = [p for p, _ in described]
         self._meta_key = tuple(k for _, k in described)
         self._checked = set()
+        self._device = device
+        self._meta_where = next((n for (n, _), k in zip(given, kinds) if k != "numpy"), None)
         self._planned = True
         return self
 
@@ -269,9 +283,10 @@ class QSAPrefillWrapper:
 
     # -------------------------------------------------------------------------------- internals
     def _numba_stream(self, handle):
-        s = self._streams.get(handle)
+        key = (dev.current_device(), handle)     # handle 0 names each device's own default stream
+        s = self._streams.get(key)
         if s is None:
-            s = self._streams[handle] = dev.resolve_stream(handle)
+            s = self._streams[key] = dev.resolve_stream(handle)
         return s
 
     def _execute(self, mode, inputs, specs, out, stream):
@@ -282,12 +297,37 @@ class QSAPrefillWrapper:
                                   "run_attention only; plan with positions to select")
         lead_name, lead = inputs[0]
         lead_kind = dev.array_kind(lead, lead_name)
+        # the call's device, from its first array (NumPy: the plan's); every other CUDA array is
+        # checked against it below, the plan's metadata here
+        device = None if lead_kind == "numpy" else dev.array_device(lead, lead_kind)
+        if device is None:
+            device = self._device
+        elif device != self._device:
+            raise self._plan_device_error(lead_name, device)
+        with dev.on_device(device):
+            return self._execute_on(device, mode, inputs, lead_kind, specs, out, stream)
+
+    def _plan_device_error(self, name, device):
+        where = (f"this plan's {self._meta_where}" if self._meta_where else
+                 "this plan's metadata (NumPy, copied to the device current at plan time)")
+        return V.QSAInputError(
+            f"{name} is on {dev.device_name(device)} but {where} is on "
+            f"{dev.device_name(self._device)}: a wrapper runs on the device it was planned on; "
+            f"plan one wrapper per device (NumPy metadata go to the current device: plan inside "
+            f"torch.cuda.device({device}) or numba's cuda.gpus[{device}])")
+
+    def _execute_on(self, device, mode, inputs, lead_kind, specs, out, stream):
+        lead_name, lead = inputs[0]
         handle = (dev.current_stream_handle(lead_kind, lead) if stream is None
                   else dev.stream_handle(stream))
         nstream = None
         arrays, kinds, ptrs, keys = [], [], [], []
         for name, x in inputs:
             kind = lead_kind if x is lead else dev.array_kind(x, name)
+            if kind != "numpy" and x is not lead:
+                d = dev.array_device(x, kind)
+                if d != device and d is not None:
+                    raise dev.device_error((lead_name, device), (name, d))
             if kind == "numpy":
                 nstream = nstream or self._numba_stream(handle)
                 h = np.asarray(x)
@@ -318,6 +358,9 @@ class QSAPrefillWrapper:
                     raise V.QSAInputError(
                         f"out[{i}] ({name}) must be {want} {tuple(shape)}, got {V.dtype_name(b)} "
                         f"{tuple(b.shape)}")
+                d = None if okind == "numpy" else dev.array_device(b, okind)
+                if d != device and d is not None:
+                    raise dev.device_error((lead_name, device), (f"out[{i}] ({name})", d))
             else:
                 okind = lead_kind
                 b = None if okind == "numpy" else dev.new_array(okind, shape, dt, lead, None)
@@ -330,7 +373,7 @@ class QSAPrefillWrapper:
             outs.append((b, okind))
             ptrs.append(p)
             keys.append(k)
-        key = (mode, self._meta_key, self._groups, self._guard, tuple(keys))
+        key = (mode, device, self._meta_key, self._groups, self._guard, tuple(keys))
         all_ptrs = self._meta_ptrs + ptrs
         prog = self._programs.get(key)
         if prog is not None and any(all_ptrs[j] - all_ptrs[i] != prog.base_ptrs[j] - prog.base_ptrs[i]
@@ -487,12 +530,12 @@ MAX_CACHED = 32
 _CACHE = {}
 
 
-def cached_wrapper(mode, handle, workspace=None, **geometry):
+def cached_wrapper(mode, handle, workspace=None, device=0, **geometry):
     """The wrapper a functional call (``qsa_prefill``, ``select``, ``sparse_attention``) plans and
-    runs on: one per call kind, geometry, stream, thread and routing environment, kept in the
-    caller's :class:`numqsa.Workspace` or module-wide (at most ``MAX_CACHED`` of either)."""
+    runs on: one per call kind, geometry, device, stream, thread and routing environment, kept in
+    the caller's :class:`numqsa.Workspace` or module-wide (at most ``MAX_CACHED`` of either)."""
     env = os.environ
-    key = (mode, tuple(geometry.values()), handle, threading.get_ident(),
+    key = (mode, tuple(geometry.values()), device, handle, threading.get_ident(),
            tuple(env.get(n) for n in ROUTE_ENV))
     store = _CACHE if workspace is None else workspace._wrappers
     w = store.get(key)
@@ -523,6 +566,8 @@ class Workspace:
         return self._scratch.buffer(name, shape, dtype, stream)
 
     def outputs(self, key, specs, like_kind, like, stream):
+        """The kept outputs of ``key`` on the current device (fresh when the shapes change)."""
+        key = (dev.current_device(), key)
         bufs = self._outs.get(key)
         if bufs is None or [tuple(b.shape) for b in bufs] != [tuple(s) for _, s, _ in specs]:
             kind = "numba" if like_kind == "numpy" else like_kind

@@ -2,12 +2,14 @@
 
 ``NUMBA_ENABLE_CUDASIM`` must be decided before numba is first imported, so it is set here. On a GPU
 machine, ``pytest -m gpu`` runs the real-shape tier (torch required); without one those tests are
-skipped. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` in pyproject.toml),
-``pytest -m slow`` the longer simulator cases.
+skipped. ``multi_gpu`` tests (also marked ``gpu``; ``pytest -m multi_gpu``) are skipped on a host
+with fewer than two GPUs. ``pytest`` alone runs the default tier (``-m "not slow and not gpu"`` in
+pyproject.toml), ``pytest -m slow`` the longer simulator cases.
 Seeds: each test gets a generator seeded from the session seed (``NUMQSA_SEED``, random by default,
 printed in the header) and the test's id, so a failure can be replayed exactly.
 """
 import fcntl
+import glob
 import os
 import tempfile
 import zlib
@@ -18,6 +20,16 @@ import pytest
 
 def _has_gpu():
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+def _gpu_count():
+    """GPUs this process may use, without initialising CUDA here (the test processes do): the
+    entries of ``CUDA_VISIBLE_DEVICES`` if set, else the host's ``/dev/nvidiaN`` device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [v.strip() for v in visible.split(",")]
+        return len(entries[:entries.index("-1")] if "-1" in entries else [v for v in entries if v])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0" if _has_gpu() else "1")
@@ -74,6 +86,11 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a real GPU (NUMBA_ENABLE_CUDASIM=1)")
         for item in items:
             if "gpu" in item.keywords:
+                item.add_marker(skip)
+    elif _gpu_count() < 2:
+        skip = pytest.mark.skip(reason=f"needs two GPUs ({_gpu_count()} here)")
+        for item in items:
+            if "multi_gpu" in item.keywords:
                 item.add_marker(skip)
 
 

@@ -252,7 +252,7 @@ def test_kb_beyond_visible_groups(seed):
     w.plan(p["req_ids"], p["positions"], p["seq_lens"], p["block_table"], p["index_block_table"])
     out, lse, tokens, counts = w.run(p["qi"], p["index_cache"], p["q"], p["k_cache"], p["v_cache"],
                                      return_selection=True)
-    assert w._ws._buffers["page4.pages"].shape == (2, 76, 2)
+    assert w._ws.kept("page4.pages").shape == (2, 76, 2)
     np.testing.assert_array_equal(counts, p["positions"] + 1)
     eo, el = oracle.qsa_prefill(*[p[k] for k in ARGS], Kb=20000)[:2]
     assert_matches_oracle(out, eo, dtype="float16", what="out")
@@ -299,7 +299,7 @@ def test_gpu_kb_beyond_visible_groups(seed):
     out, lse, tokens, counts = (x.copy_to_host() for x in w.run(
         d["qi"], d["index_cache"], d["q"], d["k_cache"], d["v_cache"], return_selection=True))
     if numqsa.stages.attention.route(64, 64).route == "page4":   # sm_70 takes the generic kernel here
-        assert w._ws._buffers["page4.pages"].shape[1] == 8192 // 4 + 1
+        assert w._ws.kept("page4.pages").shape[1] == 8192 // 4 + 1
     np.testing.assert_array_equal(counts, np.minimum(p["positions"], 8191) + 1)
     eo, el = oracle.sparse_attention(p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens,
                                      counts, p["req_ids"], p["seq_lens"])

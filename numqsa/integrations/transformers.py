@@ -40,6 +40,11 @@ range; the tensor-core routes). The output is rounded back to bf16.
 The attention then differs from HF eager's bf16 chain (bf16 logits and probabilities) by that chain's
 rounding, not by numqsa's.
 
+Several GPUs: every call runs on the device of its layer's tensors (``numqsa.qsa_prefill``), so a
+model split over GPUs by ``device_map`` (accelerate's hooks moving activations between them) or
+sharded by ``tp_plan`` (one process per GPU) runs each QSA layer where its tensors are; sharding and
+the collectives stay HF's and torch.distributed's.
+
 Fallbacks, each announced once with its reason (``warnings.warn``): CPU tensors (outside the numba
 CUDA simulator, where CPU tensors run as NumPy arrays: tests only), other dtypes, autograd (numqsa has
 no backward), attention dropout in training, masks that are not prefixes, multi-head masks. The
@@ -314,8 +319,12 @@ def _pages(x, r):
         if not pad:
             return x.transpose(1, 2)
         from numba import cuda
+
+        from numqsa import device as dev
         sb, sh, ss, sd = x.stride()
-        return cuda.as_cuda_array(_StridedView(x, (B, S + pad, H, D), (sb, ss, sh, sd)), sync=False)
+        with dev.on_device(x.get_device()):      # a numba view names the context it was made in
+            return cuda.as_cuda_array(_StridedView(x, (B, S + pad, H, D), (sb, ss, sh, sd)),
+                                      sync=False)
     a = x.transpose(1, 2).numpy()           # the simulator: NumPy, copied in by numqsa anyway
     return np.concatenate([a, np.zeros((B, pad, H, D), a.dtype)], axis=1) if pad else a
 

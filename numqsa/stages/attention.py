@@ -160,6 +160,7 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
             dev.finish(lse, was_host, lse_buf, stream, l_ret))
 
 
+@dev.on_arrays_device
 def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num_pages, r=4,
                out=None, stream=None):
     """``(pages int32 [rows, Kb+1, 2], num_vpages int32 [rows], tail_len int32 [rows])``.
@@ -189,6 +190,7 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
                  for (x, native), b in zip(made, bufs))
 
 
+@dev.on_arrays_device
 def page4_attention(q, k_cache, v_cache, pages, num_vpages, tail_len, req_ids, *, scale=None, r=4,
                     out_dtype=None, out=None, stream=None):
     """``(out, lse)`` over a page-4 plan with the grouped tensor-core kernel.

@@ -78,18 +78,24 @@ def fill_out(out, names, fresh):
 
 
 class Buffers:
-    """Device buffers kept by name, reallocated only when the shape or dtype changes."""
+    """Device buffers kept by device and name, reallocated only when the shape or dtype changes."""
 
     def __init__(self):
         self._buffers = {}
 
     def buffer(self, name, shape, dtype, stream):
+        """The buffer ``name`` on the current device."""
         shape, dtype = tuple(int(s) for s in shape), dev.np_dtype(dtype)
-        buf = self._buffers.get(name)
+        key = (dev.current_device(), name)
+        buf = self._buffers.get(key)
         if buf is None or tuple(buf.shape) != shape or np.dtype(buf.dtype) != dtype:
             buf = dev.empty(shape, dtype, stream or 0)
-            self._buffers[name] = buf
+            self._buffers[key] = buf
         return buf
+
+    def kept(self, name):
+        """The buffer ``name`` of the current device (None if there is none)."""
+        return self._buffers.get((dev.current_device(), name))
 
     def put(self, name, host, stream):
         """A kept device buffer holding a copy of ``host`` (ordered on ``stream``)."""

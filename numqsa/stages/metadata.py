@@ -28,6 +28,7 @@ def _finish(x, kind, like, stream):
     return x
 
 
+@dev.on_arrays_device
 def rows_from_query_start_loc(query_start_loc: Any, seq_lens: Any, *, rows: Optional[int] = None,
                               stream: Any = None) -> tuple:
     """``(req_ids, positions)`` int32 ``[rows]`` from ``query_start_loc`` (a.k.a. ``cu_seqlens_q``).
@@ -56,6 +57,7 @@ def rows_from_query_start_loc(query_start_loc: Any, seq_lens: Any, *, rows: Opti
     return _finish(req, kind, query_start_loc, s), _finish(pos, kind, query_start_loc, s)
 
 
+@dev.on_arrays_device
 def tables_from_paged_indptr(kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
                              page_size: int, cols: int, stream: Any = None) -> tuple:
     """``(block_table int32 [num_reqs, cols], seq_lens int32 [num_reqs])`` from FlashInfer's paged

@@ -76,6 +76,7 @@ def _check_key_pages(reqs, eids, tab, ic):
                                   f"(num_idx_pages = {ic[0]}) for request {q}, column {c} (group {e})")
 
 
+@dev.on_arrays_device
 def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_table, *, eps=1e-6,
                rot=64, theta=1e7, emulate_dtype=None, rope_positions=None, out=None, stream=None,
                validate=None):
@@ -126,6 +127,7 @@ def index_keys(k_raw, w_k, group_req_ids, group_ids, index_cache, index_block_ta
     return dev.finish(kc, was_host, out, stream, kc_ret)
 
 
+@dev.on_arrays_device
 def index_queries(q_raw, w_q, req_ids, positions, seq_lens, *, eps=1e-6, rot=64, theta=1e7,
                   rope_positions=None, out=None, stream=None):
     """Index queries ``qi[i, h] = rope(gnorm(q_raw[i, h], w_q), p_i)``; inert rows 0.
@@ -194,6 +196,7 @@ def _launch_scores(qi, ic, ibt, req, pos, lens, scores, r, stream, route=None):
     return "light"
 
 
+@dev.on_arrays_device
 def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_lens, *, r=4,
                  num_groups=None, out=None, stream=None, validate=None):
     """``score[i, e] = sum_h relu(<qi[i, h], kc[e]>) / sqrt(Di)`` for ``e < nb_i``, else ``-inf``.
@@ -228,6 +231,7 @@ def index_scores(qi, index_cache, index_block_table, req_ids, positions, seq_len
     return dev.finish(scores, was_host, out, stream, ret)
 
 
+@dev.on_arrays_device
 def topk_groups(scores, req_ids, positions, seq_lens, *, Kb=512, r=4, out=None, stream=None,
                 validate=None):
     """Row ``i`` keeps ``min(Kb, nb_i)`` groups by (score desc, group id asc), ascending, -1 padded.
@@ -280,6 +284,7 @@ def _check_groups_host(g, req_ids, positions, seq_lens, r):
                                   f"followed by -1 padding")
 
 
+@dev.on_arrays_device
 def expand_tokens(groups, req_ids, positions, seq_lens, *, r=4, out=None, stream=None,
                   validate=None):
     """Token ids of the selected groups, ascending, then the forced tail ``r*nb .. p``.
