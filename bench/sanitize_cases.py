@@ -29,6 +29,7 @@ import numqsa  # noqa: E402
 import oracle  # noqa: E402
 from numqsa.stages import selection as sel  # noqa: E402
 from numqsa.kernels import index_scores as k_scores  # noqa: E402
+from numqsa.kernels import grouped  # noqa: E402
 from numqsa.kernels import topk as k_topk  # noqa: E402
 from numqsa.plan import arch_profile  # noqa: E402
 from numqsa.testing import (assert_matches_oracle, assert_selection_matches, groups_of_tokens,  # noqa: E402
@@ -142,14 +143,20 @@ def run(arch, routes, quick, seed=7):
                                              tok_h, cnt_h, pa["req_ids"], pa["seq_lens"])
             kv = to_device(np.stack([pa["k_cache"], pa["v_cache"]], axis=1))   # interleaved
             da = dev(pa, "q", "block_table", "req_ids", "seq_lens")
-            for route in routes:
+            # these few rows take one-row windows (the grouped route's direct kernel); the page-4
+            # route once more with windows of two rows: the window plan and the union kernel
+            for route, windows in [(r, None) for r in routes] + [("page4", 2)] * ("page4" in routes):
+                grouped.TUNING.pop("g", None)
+                if windows:
+                    grouped.TUNING["g"] = windows
                 o = poison(cuda.device_array(pa["q"].shape, np.float16))
                 lse = poison(cuda.device_array(pa["q"].shape[:2], np.float32))
                 numqsa.sparse_attention(da[0], kv[:, 0], kv[:, 1], da[1], tokens, counts, da[2],
                                         da[3], route_name=route, out=(o, lse))
                 assert_matches_oracle(o.copy_to_host(), eo, dtype="float16", what=f"{route} out")
                 assert_matches_oracle(lse.copy_to_host(), el, dtype="float16", what=f"{route} lse")
-                ok(f"{name} attention {route} {hq}/{hkv}")
+                ok(f"{name} attention {route}{' windows of 2' if windows else ''} {hq}/{hkv}")
+            grouped.TUNING.pop("g", None)
             q32 = to_device(pa["q"].astype(np.float32))
             k32, v32 = (to_device(pa[k].astype(np.float32)) for k in ("k_cache", "v_cache"))
             o = poison(cuda.device_array(pa["q"].shape, np.float32))
