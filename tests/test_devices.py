@@ -91,10 +91,15 @@ def test_mixed_devices_refused_before_any_launch(seed):
     with pytest.raises(numqsa.QSAInputError,
                        match=r"q is on cuda:0 and out\[0\] \(out\) on cuda:1"):
         w.run(*[a0[n] for n in LAYER], out=(out1, bufs[1]))
-    # the functional calls and the single-stage functions check every array (and out=) first
+    # the functional calls (their wrapper's plan checks the metadata, its run the layer's arrays)
+    # and the single-stage functions check every array (and out=) before any launch
     args = [a0[n] for n in FULL]
     args[FULL.index("block_table")] = a1["block_table"]
-    with pytest.raises(numqsa.QSAInputError, match=r"qi is on cuda:0 and block_table on cuda:1"):
+    with pytest.raises(numqsa.QSAInputError, match=r"req_ids is on cuda:0 and block_table on cuda:1"):
+        numqsa.qsa_prefill(*args, Kb=5)
+    args = [a0[n] for n in FULL]
+    args[FULL.index("v_cache")] = a1["v_cache"]
+    with pytest.raises(numqsa.QSAInputError, match=r"q is on cuda:0 and v_cache on cuda:1"):
         numqsa.qsa_prefill(*args, Kb=5)
     with pytest.raises(numqsa.QSAInputError, match=r"qi is on cuda:0 and index_cache on cuda:1"):
         numqsa.index_scores(a0["qi"], a1["index_cache"], a0["index_block_table"],
