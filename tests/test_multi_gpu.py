@@ -178,7 +178,8 @@ def test_multi_gpu_mixed_devices_refused_before_any_launch(seed):
     assert torch.isnan(o).all() and torch.isnan(lse).all() and w.num_programs == 0
     a = dict(zip(FULL, on(torch, p, FULL, "cuda:0")))
     a["block_table"] = a["block_table"].to("cuda:1")
-    with pytest.raises(numqsa.QSAInputError, match=r"qi is on cuda:0 and block_table on cuda:1"):
+    # the functional call runs on qi's device; its wrapper's plan checks the metadata
+    with pytest.raises(numqsa.QSAInputError, match=r"req_ids is on cuda:0 and block_table on cuda:1"):
         numqsa.qsa_prefill(*[a[k] for k in FULL])
 
 
