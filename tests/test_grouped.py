@@ -30,6 +30,31 @@ def _calls(monkeypatch):
     return seen
 
 
+_GROUPED_CONFIG = grouped.grouped_config
+
+
+def _launch_shape(monkeypatch, g, stages=None, producers=None, fused=None):
+    """From here on the grouped route runs windows of ``g`` rows (one for a plan without tokens)
+    and the given ring depth, copy warps and schedule; the rest as ``grouped_config`` chooses."""
+    def cfg(d, hg, rows, kb1, hkv, profile, single=False):
+        base = _GROUPED_CONFIG(d, hg, rows, kb1, hkv, profile, single)
+        return grouped.GroupedConfig(d, hg, base.stages if stages is None else stages,
+                                     base.stage_pages, 1 if single else g, base.plan_threads,
+                                     piece=base.piece,
+                                     producers=base.producers if producers is None else producers,
+                                     fused=base.fused if fused is None else fused)
+    monkeypatch.setattr(grouped, "grouped_config", cfg)
+
+
+def _window_plans(monkeypatch):
+    """The arguments of every window-plan kernel built from here on (a list that grows)."""
+    plans = []
+    make_plan = grouped.make_window_plan_kernel
+    monkeypatch.setattr(grouped, "make_window_plan_kernel",
+                        lambda *a: plans.append(a) or make_plan(*a))
+    return plans
+
+
 @pytest.mark.parametrize("name,seq_lens,rows,page_size,hq,hkv,kb,mode", [
     ("pieces and solo rows", [300], [5], 16, 6, 1, 20, "random"),
     ("two requests per window", [260, 150], [3, 2], 64, 6, 1, 18, "overlap"),
@@ -89,17 +114,10 @@ def test_grouped_direct_windows(rng, monkeypatch):
     p = small_problem(rng, [120, 40], None, positions=[31, 32, 65, 50, -3, 35, 39, 130, 98, 20],
                       req_ids=[0, 0, 0, 3, 0, 1, 1, 0, 0, 0])
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=26)
-    orig = grouped.grouped_config
-    plans = []
-    make_plan = grouped.make_window_plan_kernel
-    monkeypatch.setattr(grouped, "make_window_plan_kernel", lambda *a: plans.append(a) or make_plan(*a))
+    plans = _window_plans(monkeypatch)
     results = []
     for g in (1, 2):
-        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _g=g):
-            base = orig(d, hg, rows, kb1, hkv, profile, single)
-            return grouped.GroupedConfig(d, hg, base.stages, base.stage_pages, _g, base.plan_threads,
-                                         piece=base.piece, producers=base.producers, fused=base.fused)
-        monkeypatch.setattr(grouped, "grouped_config", cfg)
+        _launch_shape(monkeypatch, g)
         results.append(run_attention(p, tokens, counts, "page4"))
         assert bool(plans) == (g == 2)
     check(p, tokens, counts, *results[0])
@@ -175,19 +193,10 @@ def test_grouped_launch_shape_invariance(rng, monkeypatch):
     windows stream their own pages with no window plan (the direct kernel)."""
     p = small_problem(rng, [160], [3], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=16, mode="random")
-    orig = grouped.grouped_config
-    plans = []
-    make_plan = grouped.make_window_plan_kernel
-    monkeypatch.setattr(grouped, "make_window_plan_kernel", lambda *a: plans.append(a) or make_plan(*a))
+    plans = _window_plans(monkeypatch)
     results = []
     for stages, producers, g, fused in ((2, 2, 2, False), (3, 1, 1, True), (3, 2, 2, True)):
-        def cfg(d, hg, rows, kb1, hkv, profile, single=False, _s=stages, _p=producers, _g=g,
-                _f=fused):
-            base = orig(d, hg, rows, kb1, hkv, profile, single)
-            return grouped.GroupedConfig(d, hg, _s, base.stage_pages, 1 if single else _g,
-                                         base.plan_threads, piece=base.piece, producers=_p,
-                                         fused=_f)
-        monkeypatch.setattr(grouped, "grouped_config", cfg)
+        _launch_shape(monkeypatch, g, stages, producers, fused)
         before = len(plans)
         results.append(run_attention(p, tokens, counts, "page4"))
         # one-row windows over the plan kernel's own plan run direct: no window plan
