@@ -1,6 +1,7 @@
 """The peer benchmark (issue 13): every workload, numqsa and each peer on the same inputs, checked.
 
-    python3 bench/run.py [--quick] [--only TEXT] [--impls numqsa,trtllm,...] [--out DIR]
+    python3 bench/run.py [--quick] [--only TEXT] [--impls numqsa,trtllm,...] [--stages attention]
+                         [--out DIR]
     python3 bench/run.py --smoke          # CPU only: tiny case in the numba CUDA simulator
 
 For each case (``bench/workloads.py``: prefill 4096/8192 x 32K, 1024/8192 x 131K; 1-256 rows at 32K
@@ -235,6 +236,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny simulator case, no timings")
     ap.add_argument("--only", help="comma-separated substrings of case names or sections to run")
     ap.add_argument("--impls", help="comma-separated implementations (default: all)")
+    ap.add_argument("--stages", help="comma-separated stages to run of each case (default: all)")
     ap.add_argument("--out", help="folder for latest.json/csv/log and plots "
                                   "(default bench/results; smoke: nothing written unless given)")
     ap.add_argument("--trtllm-kernels", default=None,
@@ -310,6 +312,8 @@ def main(argv=None):
         gen_s = time.time() - t0
         hosts = {}
         for stage in case.stages:
+            if args.stages and stage not in args.stages.split(","):
+                continue
             for m in mods:
                 variants = [None]
                 if m.NAME == "numqsa" and stage == "attention":

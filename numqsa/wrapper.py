@@ -65,13 +65,15 @@ class QSAPrefillWrapper:
 
     Device memory the wrapper keeps beyond the caller's arrays (``G = num_groups``; a row's page-4
     plan holds ``K + 1`` pages, ``K = min(Kb, G, block table capacity)``
-    (:func:`numqsa.kernels.page4.plan_pages`: what rows can select, not ``Kb``), in ``P`` pieces of
+    (:func:`numqsa.kernels.page4.plan_pages`: what rows can select, not ``Kb``), in ``P`` spans of
     128, ``P = max(1, (K + 1) // 128)``): the selection's ``min(rows, score_bytes // (4*G)) * G * 4``
     bytes of scores plus ``rows * Kb * 4`` (groups, when the caller does not take them) and its
     outputs when not given; ``rows * 4`` (guarded positions, for tables not checked on the host);
     the grouped attention route's ``rows * (K + 1) * 12`` (page plan, own-page lists),
-    ``ceil(rows / 8) * P * 8 * min(K + 1, 256) * 8`` (window unions) and, when ``P > 1``,
-    ``rows * Hq * P * (D + 2) * 4`` (pieces before their merge). 16,384 rows at 1M tokens (Kb 512,
+    ``ceil(rows / 8) * P * 8 * min(K + 1, 256) * 8`` (window unions) and, when ``K + 1 >= 64``,
+    ``rows * Hq * P * (D + 4) * 4`` (spans before their merge; a batch of one-row windows, a few
+    rows, keeps ``rows * Hq * Q * (D + 2) * 4`` for its ``Q = (K + 1) // 32`` pieces of 32 pages
+    instead: :mod:`numqsa.kernels.grouped`). 16,384 rows at 1M tokens (Kb 512,
     Hq 6, D 256): 1.63 GiB, of which 1 GiB of scores (``bench/bench_million.py``; a chain holding
     all the scores would need 16 GiB for them alone).
     """

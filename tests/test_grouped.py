@@ -42,7 +42,7 @@ def _launch_shape(monkeypatch, g, stages=None, producers=None, fused=None):
                                      base.stage_pages, 1 if single else g, base.plan_threads,
                                      piece=base.piece,
                                      producers=base.producers if producers is None else producers,
-                                     fused=base.fused if fused is None else fused)
+                                     fused=base.fused if fused is None else fused, span=base.span)
     monkeypatch.setattr(grouped, "grouped_config", cfg)
 
 
@@ -135,7 +135,7 @@ def test_window_plan_marks_solo_rows_and_pieces(rng):
     # the simulator's launch shape on every platform: small stages and pieces
     cfg = grouped.GroupedConfig(32, 6, stages=2, stage_pages=4, rows_per_window=2, plan_threads=32,
                                 piece=8)
-    g, pc = cfg.rows_per_window, cfg.piece
+    g, pc = cfg.rows_per_window, cfg.span
     npieces = grouped.pieces_of(pages.shape[1], pc)
     nwin = -(-4 // g)
     first = np.arange(0, 4, g, dtype=np.int32)

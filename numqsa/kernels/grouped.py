@@ -1,48 +1,49 @@
 """Grouped sparse attention over page-4 virtual pages (spec §7), sm_80+ (m16n8k16 tensor cores).
 
-Two or three kernels after the page-4 plan (:mod:`numqsa.kernels.page4`, which turns each row's
-selection into virtual pages ``(physical page, first slot)`` in logical order, the partial tail page last):
+The arithmetic of a row, fixed by its own selection alone: its virtual pages (the page-4 plan's,
+in logical order, the partial tail page last) are cut into *pieces* of ``PIECE`` = 32 pages (4
+chunks of 8) and *spans* of ``SPAN`` = 128 pages (4 pieces); the last piece, and the last span,
+take the remainder (``max(1, nv // PIECE)`` pieces). Each piece runs its own online softmax over
+its chunks; a span's pieces are folded in order (:func:`_fold_step`); the spans are folded with a
+common maximum (:func:`_fold_weight`, :func:`_fold_add`, :func:`_fold_finish`).
 
-1. **window plan** (:func:`make_window_plan_kernel`): a *window* is up to ``G`` consecutive rows; a
-   row's virtual pages are cut into fixed *pieces* of ``PIECE`` pages (the last piece takes the
-   remainder: ``max(1, nv // PIECE)`` pieces). For each (window, piece) the kernel builds the union of
-   the rows' pages of that piece, ordered by (request run, logical group) through a bitmap of the
-   logical groups in shared memory, and for every own page its index in that union. A row whose
-   chunk of 8 own pages would spread over more union stages than the attention kernel's ring holds
-   is marked *solo* for that piece.
-2. **attention** (:func:`make_grouped_kernel`): one block per (window, piece, KV head): warp
+Kernels after the page-4 plan (:mod:`numqsa.kernels.page4`):
+
+1. **window plan** (:func:`make_window_plan_kernel`): a *window* is up to ``G`` consecutive rows.
+   For each (window, span) it builds the union of the rows' pages of that span, ordered by (request
+   run, logical group) through a bitmap of the logical groups in shared memory, and for every own
+   page its index in that union. A row whose chunk of 8 own pages would spread over more union
+   stages than the attention kernel's ring holds is marked *solo* for that span.
+2. **attention** (:func:`make_grouped_kernel`): one block per (window, span, KV head): warp
    ``w < G * HT`` = (row ``w // HT``, head tile ``w % HT``), then ``producers`` copy warps. The
    producers stream the union through a ring of ``NB`` shared-memory stages of ``SP`` pages with
    ``cp.async``; per stage a ``full`` mbarrier (landed) and an ``empty`` one (released by every
    row's warp). A row's warp, per chunk of its own pages, releases the stages before the chunk,
    waits on the stage holding its last page and consumes it: ``S^T = K Q^T`` (K fragments by
    ``ldmatrix``) for the chunk's two halves of 16 tokens, one online-softmax step per chunk of 32,
-   ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``, P^T by ``movmatrix``). Solo rows are then
-   streamed one at a time with their own pages only. In the *fused* schedule (many windows:
-   ``FUSE_WAVES``) one block runs all of its window's pieces in turn and folds each row's pieces
-   itself, with the merge kernel's arithmetic; else a block per (window, piece) and:
-3. **merge** (:func:`make_merge_kernel`): rows with several pieces combine them in piece order.
+   ``O^T += V^T P^T`` (V fragments by ``ldmatrix.trans``, P^T by ``movmatrix``). At each piece's
+   end the warp folds the piece into its span's state (kept in global memory, L2-resident: one
+   warp's 8 KB). Solo rows are then streamed one at a time with their own pages only. In the
+   *fused* schedule (many windows: ``FUSE_WAVES``) one block runs all of its window's spans in
+   turn and folds each row's spans itself; else a block per (window, span) and the merge kernel.
+   *Direct* blocks (one-row windows over the page-4 plan kernel's own plan: few rows) stream one
+   piece of one row each, with no window plan: a row spreads over 16 blocks at Kb 512.
+3. **merge** (:func:`make_merge_kernel`): a row's spans (direct: its pieces, folded into spans
+   first) in order.
 
-Invariance: a row's arithmetic depends only on its own selection: chunks are its own pages
-``8c .. 8c+7`` of a piece, pieces are fixed by its page count, and both folds take pieces in order
-with one arithmetic (``_fold_*``).
-Which rows share its window, how the union is staged, whether it runs solo, the page placement and
-the batch never change which numbers are added in which order; they only change where the operands
-are loaded from.
+Invariance: which rows share its window, how the union is staged, whether it runs solo, direct,
+split or fused, the page placement and the batch never change which numbers are added in which
+order; they only change where the operands are loaded from and who folds.
 
 Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * (D * 2 + 16)`` bytes of dynamic memory (D 256, NB 6,
-SP 8: 198 KB): token rows padded by 16 bytes against bank conflicts (:func:`row_words`).
+SP 8: 198 KB; direct blocks NB 3: 99 KB, two blocks an SM): token rows padded by 16 bytes against
+bank conflicts (:func:`row_words`).
 
 Route: the attention of every row count on sm_80 and sm_90, for float16 and bfloat16 with
 ``r = 4`` and 16-byte aligned caches with a contiguous D axis; sm_70 and unaligned caches take
 :mod:`numqsa.kernels.page4`'s kernel, float32 and mixed dtypes :mod:`numqsa.kernels.attention`.
-``NB`` is 6 on sm_90 and 4 on sm_80 (not measured on an A100). Why, on the H200 (GPU-only ms, 32K
-context, 2051 selected; ``docs/kernels/grouped.md``): against the generic kernel 1 row 0.095 /
-3.03, 16 rows 0.20 / 2.28, 256 rows 0.29 / 2.29 (v3: the page-4 route from one row in
-``numqsa/plan.py``); against the token-major page-4 kernel 4-8x faster below 512 rows and 8-11%
-slower at the large shapes, kept because one route for every row count keeps a row's bits
-independent of the batch. The shipped chain (v11, session 10) in its probe: 4096 x 32K 1.024,
-1 x 32K 0.045 (docs/kernels/grouped.md has every version).
+``NB`` is 6 on sm_90 and 4 on sm_80 (not measured on an A100). The versions, their times on the
+H200 and the counters that limit them: ``docs/kernels/grouped.md``.
 """
 import functools
 import math
@@ -65,8 +66,10 @@ __all__ = ["GroupedConfig", "grouped_config", "window_size", "takes_head_dim", "
 #: page-4 kernel (numqsa.kernels.page4).
 SM70 = False
 
-PIECE = 128            # virtual pages per piece: 513 pages (Kb 512 + tail) -> 4 pieces
-FUSE_WAVES = 8         # windows per SM from which one block runs all of a window's pieces
+PIECE = 32             # virtual pages per piece (arithmetic): 513 pages (Kb 512 + tail) -> 16 pieces
+SPAN = 128             # pages a union window's block streams per phase: 4 pieces (launch shape only)
+DIRECT_STAGES = 3      # ring stages of a direct block: 101 KB, two blocks an SM
+FUSE_WAVES = 8         # windows per SM from which one block runs all of a window's spans
 MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
 PRODUCERS = 2          # of them copy warps (one leaves the rows' warps waiting on data: session 8)
 SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
@@ -89,9 +92,13 @@ class GroupedConfig:
     """Launch shape of the grouped route; none of it changes a row's arithmetic except ``piece``."""
 
     def __init__(self, d, hg, stages, stage_pages, rows_per_window, plan_threads, piece=PIECE,
-                 producers=PRODUCERS, fused=False):
+                 producers=PRODUCERS, fused=False, span=None):
         self.d = int(d)
         self.piece = int(piece)                                  # arithmetic: fixed per platform
+        # pieces folded in order into one partial (arithmetic too; union blocks stream a span)
+        self.span = self.piece if span is None else int(span)
+        if self.span % self.piece:
+            raise ValueError(f"span {self.span} is not a multiple of the piece {self.piece}")
         self.head_tiles = -(-int(hg) // HEAD_TILE)              # HT
         self.heads_per_tile = -(-int(hg) // self.head_tiles)     # balanced: 12 -> 2 x 6
         self.stages = int(stages)                                # NB
@@ -122,20 +129,23 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     narrower windows (more blocks) down to single rows.
     ``single``: one-row windows (a plan without the tokens that order a union)."""
     ht = -(-int(hg) // HEAD_TILE)
-    if SIMULATOR:       # small stages and pieces so CI exercises the ring, solo rows and the merge
-        g = 1 if single else max(1, 2 // ht)
-        return GroupedConfig(d, hg, 3, 4, g, 32, piece=8, producers=1, fused=-(-rows // g) >= 2)
-    pieces = pieces_of(kb1, PIECE)
+    if SIMULATOR:       # small stages, pieces and spans so CI exercises the ring, solo rows, spans
+        g = 1 if single else max(1, 2 // ht)     # of two pieces and the merge
+        return GroupedConfig(d, hg, 3, 4, g, 32, piece=8, producers=1, fused=-(-rows // g) >= 2,
+                             span=16)
     producers = TUNING.get("np", PRODUCERS)
     sms = int(profile.sm_count)
-    g = 1 if single else TUNING.get("g", window_size(rows, ht, pieces * hkv, sms,
+    g = 1 if single else TUNING.get("g", window_size(rows, ht, kb1, hkv, sms,
                                                      window_rows(hg, producers)))
+    direct = g == 1 and not single
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
-    # fused: a block per window runs its pieces in turn and folds them (no merge kernel, no
-    # partials left for it), where the windows alone fill FUSE_WAVES waves of the SMs
+    if direct:
+        stages = TUNING.get("nbd", DIRECT_STAGES)
+    # fused: a block per window runs its spans in turn and folds the pieces (no merge kernel),
+    # where the windows alone fill FUSE_WAVES waves of the SMs
     fused = bool(TUNING.get("fu", -(-rows // g) * hkv >= FUSE_WAVES * sms))
-    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 128, piece=TUNING.get("pc", PIECE),
-                         producers=producers, fused=fused)
+    return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 128, piece=PIECE,
+                         producers=producers, fused=fused and not direct, span=SPAN)
 
 
 def takes_head_dim(d):
@@ -153,16 +163,20 @@ def row_words(d):
     return int(d) // 2 + 4
 
 
-def window_size(rows, head_tiles, blocks_per_window, sms, most):
-    """Rows per window (1 .. ``most``): the fewest waves of one block per SM times a block's time,
-    which grows with its rows' warps (H200, session 11, pieces of 16 chunks: 29 us for one row's
-    warp, about 42 us for six: ``10 + warps`` in steps of ~2.9 us); the larger window on a tie.
-    At 64 rows x 32K this picks 2 (128 blocks, one wave) where halving from 6 gave 1 (256 blocks,
-    two waves: 59 us). Windows change no row's arithmetic, only which rows share loads."""
+def window_size(rows, head_tiles, kb1, hkv, sms, most):
+    """Rows per window (1 .. ``most``): the fewest waves times a block's time; the larger window on
+    a tie. One-row windows run direct: a block per piece (4 chunks), two blocks an SM; wider ones a
+    block per span (16 chunks) and one an SM, plus the window plan. A block's time, modelled from
+    session 11's chains on the H200 (16 chunks: 29 us for one row's warp, about 42 us for six):
+    ``3 + chunks * (1.46 + 0.16 * warps)`` us; the window plan about 6 us. Windows change no row's
+    arithmetic, only which rows share loads."""
     best, best_g = None, 1
     for g in range(1, int(most) + 1):
-        waves = -(-(-(-int(rows) // g) * int(blocks_per_window)) // int(sms))
-        cost = waves * (10 + g * int(head_tiles))
+        span, per_sm, plan = (PIECE, 2, 0.0) if g == 1 else (SPAN, 1, 6.0)
+        blocks = -(-int(rows) // g) * pieces_of(kb1, span) * int(hkv)
+        waves = -(-blocks // (int(sms) * per_sm))
+        chunks = min(int(kb1), span) / CHUNK
+        cost = plan + waves * (3.0 + chunks * (1.46 + 0.16 * g * int(head_tiles)))
         if best is None or cost <= best:
             best, best_g = cost, g
     return best_g
@@ -391,6 +405,13 @@ def _fold_add(acc, x, w):
 
 
 @device_jit(forceinline=True)
+def _fold_step(state, a, x, b):
+    """One step of a span's sequential fold: ``state * a + x * b`` as one rounding of the product
+    ``x * b`` and one fused multiply-add (written out, so that no compiler contracts it otherwise)."""
+    return cuda.fma(state, a, x * b)
+
+
+@device_jit(forceinline=True)
 def _fold_finish(acc, lsum):
     """``acc / L``; rows here have tokens, so a zero ``L`` (every score -inf) is NaN."""
     o = NAN
@@ -475,16 +496,21 @@ def _out_conv(out_kind):
 
 @functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
-                        producers=PRODUCERS, sm90=False, slot_strides=None, direct=False):
-    """Grid ``(windows, pieces, Hkv)``, block ``32 * (rows_per_window * HT + producers)`` threads,
-    dynamic shared memory ``GroupedConfig.smem_bytes``. ``dtype`` "f16"/"bf16" (q, K, V);
+                        producers=PRODUCERS, sm90=False, slot_strides=None, direct=False, span=None,
+                        parts=True):
+    """Grid ``(windows, spans, Hkv)`` (direct: ``(rows, pieces, Hkv)``), block ``32 * (rows_per_window
+    * HT * DS + producers)`` threads (``DS`` = 2 warps a head tile in direct blocks, else 1),
+    dynamic shared memory ``GroupedConfig.smem_bytes``. ``piece`` and ``span``: the arithmetic's
+    (module docstring); ``parts``: rows can have several spans (direct: pieces), so every row leaves
+    its partials for the fold. ``dtype`` "f16"/"bf16" (q, K, V);
     ``out_kind`` "f32", "f16" or "bf16" (the last written as uint16 bits). ``sm90``: waits sleep
     (``mbarrier.try_wait``) instead of polling. ``slot_strides``: the K and V caches' word strides
     between a page's token rows (compile-time, so a producer lane's copies of a page sit at immediate
     offsets from one address; default: contiguous ``[pages, page_size, 1, d]``). ``direct``
     (one-row windows over the page-4 plan kernel's own plan): no window plan ran; the block streams
-    its row's pages of the piece in order, as a solo phase does (``wunion``, ``wmeta`` and ``ownu``
-    are not read).
+    its row's pages of one piece in order, as a solo phase does (``wunion``, ``wmeta`` and ``ownu``
+    are not read), each head tile on two warps (the same ``S^T`` and softmax step, each half of
+    O^T's m-tiles: the dims of O are independent sums, so the bits of one warp).
 
     Warps ``0 .. G*HT-1`` are the rows' (consumers); the last ``producers`` warps only copy. Stage
     ``s`` of the block's stream (every phase's stages in one sequence) goes to ring buffer
@@ -492,9 +518,16 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     through ``cp.async.mbarrier.arrive``), ``empty[s % NB]`` when every consumer lane has released it.
     The producer refills a buffer only after its ``empty`` phase; a consumer releases stages in order,
     each after waiting on its ``full`` phase, so no warp waits for another's chunks."""
-    D, HG, NB, SP, G, PC = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
-    NPW = int(producers)
+    D, HG, NB, SP, G, PA = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
     DIRECT = bool(direct)
+    # pages a block streams per phase: a span (union windows), one piece (direct blocks)
+    PC = PA if DIRECT or span is None else int(span)
+    if PC % PA:
+        raise ValueError(f"span {PC} is not a multiple of the piece {PA}")
+    # rows can have several spans (direct blocks: pieces): each leaves its partial for the fold,
+    # which also finishes one-span rows (one arithmetic, no out path)
+    PARTS = bool(parts)
+    NPW = int(producers)
     if DIRECT and G != 1:
         raise ValueError("the direct grouped kernel runs one-row windows")
     if D % 16:
@@ -511,10 +544,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NQF = 2 * NKS                      # Q^T fragment words per lane
     NMT = NKS // DS                    # O^T m-tiles of one warp
     NOA = 4 * NMT                      # O^T accumulators per lane
+    FQ = 4 if NMT % 4 == 0 else 1      # fold_out: parts of O^T's m-tiles folded in turn
     RW = row_words(D)                  # words per token row in the ring (padded)
     PW = 4 * RW                        # words per page
     RP = NB * SP                       # ring pages
-    OWNMAX = 2 * PC                    # own pages of one piece, at most (the last takes the rest)
+    OWNMAX = 2 * PC                    # own pages of one span, at most (the last takes the rest)
     VOFF = RP * PW                     # V region offset (words)
     NCH16 = D // 8                     # 16-byte chunks per token row
     if not (32 % NCH16 == 0 or NCH16 % 32 == 0):
@@ -526,7 +560,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     CPR = NCH16 // 32 if WIDE else 1   # copies of one token row per lane (wide rows)
     RPI = 1 if WIDE else 32 // NCH16   # token rows one copy instruction covers (narrow rows)
     KS1, VS1 = (int(x) for x in (slot_strides or (D // 2, D // 2)))
-    UCAP = G * OWNMAX                  # union entries of one piece, at most (launch_grouped's cap)
+    UCAP = G * OWNMAX                  # union entries of one span, at most (launch_grouped's cap)
     # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
     # load there stalls on long scoreboard), when they fit beside the ring
     STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
@@ -553,17 +587,17 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         wait_phase(bar, uint32(gs) % UNB, (uint32(gs) // UNB) & U1)
 
     @device_jit(forceinline=True)
-    def page_id(u, solo_row, kstart_s, su, wunion, win, piece_, pages):
+    def page_id(u, solo_row, kstart_s, su, wunion, win, span_, pages):
         """(physical page, first slot) of stream entry ``u``: the union's, or the solo (or direct)
         row's own."""
         if (solo_row < int32(0) or DIRECT) and STAGE_U:
             return su[u, 0], su[u, 1]
         if solo_row < int32(0):
-            return wunion[win, piece_, u, 0], wunion[win, piece_, u, 1]
+            return wunion[win, span_, u, 0], wunion[win, span_, u, 1]
         return pages[solo_row, kstart_s + u, 0], pages[solo_row, kstart_s + u, 1]
 
     @device_jit(forceinline=True)
-    def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, piece_, pages, kw, vw,
+    def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, span_, pages, kw, vw,
                 ks0, vs0, lk, lv, ld, copies, pw):
         """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
         ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer lane has released the
@@ -579,7 +613,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         stage = uint32(sb + uint32(4 * SP * PW) * slot + ld)
         q = pw
         while q < nq:
-            pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, piece_, pages)
+            pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, span_, pages)
             # 32 x 32 -> 64-bit products (the host checks the word strides fit int32)
             bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(KS1) + lk
             bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(VS1) + lv
@@ -758,66 +792,108 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                       mkd)
 
     @device_jit(forceinline=True)
-    def piece_out(lane, scr, oacc, ml, nv, writer, npc, piece_, row, h0, nh, out, lse, part_o,
+    def piece_end(lane, scr, oacc, ml, slot, mrd, mwr, fold, last, row, h0, nh, out, lse, part_o,
                   part_ml, d0, lsew):
-        """A piece's results: ``out``/``lse`` when the row has one piece, else its partial
-        ``(O, m, l)`` for the fold (:func:`fold_out` or the merge kernel). The warp's O^T holds
-        dims ``d0 ..``; ``lsew``: it writes ``lse`` (one of a row's D parts)."""
+        """A piece's end: its ``(O, m, l)`` (``l`` summed over the column's lanes), folded into the
+        span's state when ``fold`` (a span's pieces after its first: ``M' = max(M, m)``,
+        ``L' = L a + l b``, ``O' = O a + O_p b`` with ``a = e^(M - M')``, ``b = e^(m - M')``:
+        :func:`_fold_step`), then stored: the state for the span's next piece, or, when ``last``,
+        the span's partial for the fold over spans (:func:`fold_out`, the merge kernel), or
+        without ``PARTS`` the row's ``out``/``lse``. O is kept in slot ``slot`` (each element is
+        one lane's: it reads back its own writes); ``(m, l)``, which the 8 lanes of a column share,
+        is read from ``part_ml`` slot ``mrd`` and written to ``mwr``, never the same within a fold
+        (a lane's write must not reach a lane that has not read yet). ``lsew``: the warp writes
+        ``lse`` (one of a row's D parts). A head whose weights sum to 0 although the row has tokens
+        (every score -inf) is 0 / 0: NaN, as the math says. No branch in the store loops: one there
+        keeps them from unrolling, and oacc goes to the stack."""
         g = lane >> U2
         t = lane & U3
+        hA = U2 * t
         lt0 = _col_sum(ml[2], lane, scr)
         lt1 = _col_sum(ml[3], lane, scr)
-        # A head whose weights sum to 0 although the row has tokens (every score -inf) is 0 / 0:
-        # NaN, as the math says (its oacc is 0 then, so the plain division gives it); only a row
-        # with no tokens gives out 0, lse -inf. No branch in the store loops: one there keeps them
-        # from unrolling, and oacc goes to the stack.
-        zl = NEG_INF
-        den0 = lt0
-        den1 = lt1
-        if nv > int32(0):
-            zl = NAN
-        else:
-            den0 = F1
-            den1 = F1
-        if writer:
-            hA = U2 * t
-            for i in range(2):
-                hh = hA + uint32(i)
-                li = lt0
-                mi = ml[0]
-                if i == 1:
-                    li = lt1
-                    mi = ml[1]
-                if hh < nh:
-                    if npc == int32(1):
-                        lv = zl
-                        if li > F0 or li != li:
-                            lv = mi + math.log(li)
-                        if g == U0 and lsew:
-                            lse[row, h0 + hh] = lv
-                    else:
-                        # every lane of the column writes the (same) values: fold_out reads back
-                        # its own writes, with no warp barrier
-                        part_ml[row, h0 + hh, piece_, 0] = mi
-                        part_ml[row, h0 + hh, piece_, 1] = li
+        m0 = ml[0]
+        m1 = ml[1]
+        if fold:
+            ha = h0 + min(hA, nh - U1)             # lanes past the heads read a real one, store none
+            hb = h0 + min(hA + U1, nh - U1)
+            sa = part_ml[row, ha, mrd, 0]
+            sb_ = part_ml[row, hb, mrd, 0]
+            na = max(sa, m0)
+            nb = max(sb_, m1)
+            aa = _fold_weight(sa, na)
+            ba = _fold_weight(m0, na)
+            ab = _fold_weight(sb_, nb)
+            bb = _fold_weight(m1, nb)
+            lt0 = _fold_step(part_ml[row, ha, mrd, 1], aa, lt0, ba)
+            lt1 = _fold_step(part_ml[row, hb, mrd, 1], ab, lt1, bb)
+            m0 = na
+            m1 = nb
             for mt in range(NMT):
                 for i in range(4):
                     dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
-                    hh = hA + (uint32(i) & U1)
-                    if hh < nh:
-                        if npc == int32(1):
-                            den = den0
-                            if (i & 1) == 1:
-                                den = den1
-                            out[row, h0 + hh, dd] = conv(oacc[4 * mt + i] / den)
-                        else:
-                            part_o[row, h0 + hh, piece_, dd] = oacc[4 * mt + i]
+                    if (i & 1) == 0:
+                        oacc[4 * mt + i] = _fold_step(part_o[row, ha, slot, dd], aa,
+                                                      oacc[4 * mt + i], ba)
+                    else:
+                        oacc[4 * mt + i] = _fold_step(part_o[row, hb, slot, dd], ab,
+                                                      oacc[4 * mt + i], bb)
+        direct_out = last and not PARTS
+        for i in range(2):
+            hh = hA + uint32(i)
+            li = lt0
+            mi = m0
+            if i == 1:
+                li = lt1
+                mi = m1
+            if hh < nh:
+                if direct_out:
+                    lv = NAN
+                    if li > F0 or li != li:
+                        lv = mi + math.log(li)
+                    if g == U0 and lsew:
+                        lse[row, h0 + hh] = lv
+                else:
+                    # every lane of the column writes the (same) values
+                    part_ml[row, h0 + hh, mwr, 0] = mi
+                    part_ml[row, h0 + hh, mwr, 1] = li
+        for mt in range(NMT):
+            for i in range(4):
+                dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                hh = hA + (uint32(i) & U1)
+                if hh < nh:
+                    if direct_out:
+                        den = lt0
+                        if (i & 1) == 1:
+                            den = lt1
+                        out[row, h0 + hh, dd] = conv(oacc[4 * mt + i] / den)
+                    else:
+                        part_o[row, h0 + hh, slot, dd] = oacc[4 * mt + i]
+
+    @device_jit(forceinline=True)
+    def empty_out(lane, row, h0, nh, out, lse, part_ml, d0, lsew):
+        """A row with no tokens: ``out = 0``, ``lse = -inf`` (its lanes' dims and heads); with
+        ``PARTS`` its first partial's ``l`` is -1, which tells the merge kernel to leave the row
+        (a row the window plan found malformed has pages in ``num_vpages``)."""
+        g = lane >> U2
+        hA = U2 * (lane & U3)
+        for i in range(2):
+            if g == U0 and lsew and hA + uint32(i) < nh:
+                lse[row, h0 + hA + uint32(i)] = NEG_INF
+                if PARTS:
+                    part_ml[row, h0 + hA + uint32(i), 0, 1] = float32(-1)
+        for mt in range(NMT):
+            for i in range(4):
+                dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                hh = hA + (uint32(i) & U1)
+                if hh < nh:
+                    out[row, h0 + hh, dd] = conv(F0)
 
     @device_jit(forceinline=True)
     def fold_out(lane, oacc, npc, row, h0, nh, out, lse, part_o, part_ml, d0, lsew):
-        """The fused schedule's fold of a row's pieces, each element's arithmetic the merge
-        kernel's (:func:`_fold_weight`, :func:`_fold_add`, :func:`_fold_finish`) in piece order;
-        a lane reads back the partials it wrote itself (dims ``d0 ..``, as :func:`piece_out`)."""
+        """The fused schedule's fold of a row's spans, each element's arithmetic the merge
+        kernel's (:func:`_fold_weight`, :func:`_fold_add`, :func:`_fold_finish`) in span order;
+        a lane reads back the partials it wrote itself (dims ``d0 ..``, as :func:`piece_end`).
+        O's m-tiles are folded a quarter at a time (fewer loads in flight: registers)."""
         g = lane >> U2
         t = lane & U3
         hA = U2 * t
@@ -830,20 +906,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             mxb = max(mxb, part_ml[row, hb, p, 0])
         la = F0
         lb = F0
-        for x in range(NOA):
-            oacc[x] = F0
         for p in range(npc):
-            wa = _fold_weight(part_ml[row, ha, p, 0], mxa)
-            wb = _fold_weight(part_ml[row, hb, p, 0], mxb)
-            la = _fold_add(la, part_ml[row, ha, p, 1], wa)
-            lb = _fold_add(lb, part_ml[row, hb, p, 1], wb)
-            for mt in range(NMT):
-                for i in range(4):
-                    dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
-                    if (i & 1) == 0:
-                        oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, ha, p, dd], wa)
-                    else:
-                        oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, hb, p, dd], wb)
+            la = _fold_add(la, part_ml[row, ha, p, 1], _fold_weight(part_ml[row, ha, p, 0], mxa))
+            lb = _fold_add(lb, part_ml[row, hb, p, 1], _fold_weight(part_ml[row, hb, p, 0], mxb))
         for i in range(2):
             hh = hA + uint32(i)
             if g == U0 and hh < nh and lsew:
@@ -851,6 +916,22 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     lse[row, h0 + hh] = _fold_lse(mxa, la)
                 else:
                     lse[row, h0 + hh] = _fold_lse(mxb, lb)
+        for x in range(NOA):
+            oacc[x] = F0
+        for part in range(FQ):
+            for p in range(npc):
+                wa = _fold_weight(part_ml[row, ha, p, 0], mxa)
+                wb = _fold_weight(part_ml[row, hb, p, 0], mxb)
+                for mh in range(NMT // FQ):
+                    mt = mh + part * (NMT // FQ)
+                    for i in range(4):
+                        dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                        if (i & 1) == 0:
+                            oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, ha, p, dd],
+                                                         wa)
+                        else:
+                            oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, hb, p, dd],
+                                                         wb)
         for mt in range(NMT):
             for i in range(4):
                 dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
@@ -862,7 +943,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         out[row, h0 + hh, dd] = conv(_fold_finish(oacc[4 * mt + i], lb))
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
-               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, npieces):
+               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans):
         dyn = cuda.shared.array(0, uint32)
         bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
@@ -896,13 +977,14 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
         elif DIRECT:                      # the producers stream the window's one row
             nv = int32(num_vpages[first])
-        npc = max(int32(1), nv // int32(PC))
-        # split: this block's piece (the merge kernel folds); fused: every piece, folded below
+        npc = max(int32(1), nv // int32(PC))       # spans
+        npa = max(int32(1), nv // int32(PA))       # pieces (the arithmetic's)
+        # split: this block's span (the merge kernel folds); fused: every span, folded below
         p_lo = int32(cuda.blockIdx.y)
         p_hi = int32(p_lo + int32(1))
         if fused != int32(0):
             p_lo = int32(0)
-            p_hi = int32(npieces)
+            p_hi = int32(nspans)
 
         qf = cuda.local.array(NQF, uint32)
         for ks in range(NKS):
@@ -918,32 +1000,18 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if tid < uint32(NB):
             mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
             mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
-        # a producer lane's 16-byte copies of a page (the same on every page): copy e = lane + 32 i
-        # of K (of V) is token row e // NCH16, chunk e % NCH16; the lane's own row r0 and chunk c0
-        r0 = U0 if WIDE else lane // uint32(NCH16)
-        c0 = lane if WIDE else lane % uint32(NCH16)
-        lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
-        lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
-        ld = uint32(4 * RW) * r0 + uint32(16) * c0
-        copies = lane < uint32(HALF)
 
-        gs0 = int32(0)                 # stages streamed by earlier phases and pieces
-        for piece_ in range(p_lo, p_hi):
-            writer = live and piece_ < npc
-            kstart, kend = _piece_range(nv, piece_, PC)
+        gs0 = int32(0)                 # stages streamed by earlier phases and spans
+        for span_ in range(p_lo, p_hi):
+            writer = live and span_ < npc
+            kstart, kend = _piece_range(nv, span_, PC)
             if DIRECT:
                 nstream0 = int32(kend - kstart)
                 solo = U0
             else:
-                nstream0 = int32(wmeta[win, piece_, 0])
-                solo = uint32(wmeta[win, piece_, 1])
-            for x in range(NOA):
-                oacc[x] = F0
-            ml[0] = NEG_INF
-            ml[1] = NEG_INF
-            ml[2] = F0
-            ml[3] = F0
-            cuda.syncthreads()         # the previous piece's tables are read no more
+                nstream0 = int32(wmeta[win, span_, 0])
+                solo = uint32(wmeta[win, span_, 1])
+            cuda.syncthreads()         # the previous span's tables are read no more
             if writer and ht == U0 and not DIRECT:
                 for x in range(kstart + int32(lane), kend, int32(32)):
                     sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
@@ -952,7 +1020,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     su[x >> U1, x & U1] = pages[first, kstart + int32(x >> U1), x & U1]
             elif STAGE_U:
                 for x in range(tid, uint32(2 * nstream0), UNT):
-                    su[x >> U1, x & U1] = wunion[win, piece_, x >> U1, x & U1]
+                    su[x >> U1, x & U1] = wunion[win, span_, x >> U1, x & U1]
             cuda.syncthreads()
             nph = int32(1) + int32(cuda.popc(solo))
             rest_ = solo
@@ -968,17 +1036,26 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     sbit = int32(cuda.ffs(rest_)) - int32(1)
                     rest_ &= rest_ - U1
                     solo_row = first + sbit
-                    a0, a1 = _piece_range(int32(num_vpages[solo_row]), piece_, PC)
+                    a0, a1 = _piece_range(int32(num_vpages[solo_row]), span_, PC)
                     kst = a0
                     nstream = a1 - a0
                 nst = (nstream + int32(SP - 1)) // int32(SP)
                 if producer:
+                    # a lane's 16-byte copies of a page (the same on every page): copy e = lane
+                    # + 32 i of K (of V) is token row e // NCH16, chunk e % NCH16; the lane's own
+                    # row r0 and chunk c0 (formed here: no registers held across the rows' chunks)
+                    r0 = U0 if WIDE else lane // uint32(NCH16)
+                    c0 = lane if WIDE else lane % uint32(NCH16)
+                    lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
+                    lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
+                    ld = uint32(4 * RW) * r0 + uint32(16) * c0
+                    copies = lane < uint32(HALF)
                     pw = int32(int32(warp) - int32(NCW))
                     s = int32(0)
                     while s < nst:
                         u0 = int32(s * int32(SP))
                         produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
-                                solo_row, kst, su, wunion, win, piece_, pages, kw, vw, ks0, vs0, lk, lv,
+                                solo_row, kst, su, wunion, win, span_, pages, kw, vw, ks0, vs0, lk, lv,
                                 ld, copies, pw)
                         s = int32(s + int32(1))
                 else:
@@ -989,35 +1066,63 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         mine = mine and wslot == sbit
                     waited = int32(gs0 - int32(1))
                     rel = gs0              # the next stage to release
-                    c = kstart
-                    kl = int32(kend - int32(1))
-                    while mine and c < kend:
-                        ka = int32(c - kstart)
-                        kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
-                        if ph == 0 and not DIRECT:
-                            ka = sown[uint32(obase + uint32(ka))]
-                            kz = sown[uint32(obase + uint32(kz))]
-                        # stages of the chunk's first and last pages
-                        lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
-                        hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
-                        while rel < lo:
-                            waited = release(bar, rel, waited)
-                            rel = int32(rel + int32(1))
-                        if hi > waited:
-                            wait_full(bar, hi)
-                            waited = hi
-                        chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, kend, nv, tl, ph > 0 or DIRECT,
-                              sown, obase, int32(gs0 * int32(SP)), scale, uint32(2) * d0)
-                        c = int32(c + int32(CHUNK))
+                    # the span's pieces: whole ones, the row's last taking the rest
+                    pi = int32(kstart // int32(PA))
+                    pe = npa if kend == nv else int32(kend // int32(PA))
+                    if not mine:
+                        pe = pi
+                    while pi < pe:
+                        c, k1 = _piece_range(nv, pi, PA)
+                        kl = int32(k1 - int32(1))
+                        for x in range(NOA):
+                            oacc[x] = F0
+                        ml[0] = NEG_INF
+                        ml[1] = NEG_INF
+                        ml[2] = F0
+                        ml[3] = F0
+                        while c < k1:
+                            ka = int32(c - kstart)
+                            kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
+                            if ph == 0 and not DIRECT:
+                                ka = sown[uint32(obase + uint32(ka))]
+                                kz = sown[uint32(obase + uint32(kz))]
+                            # stages of the chunk's first and last pages
+                            lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
+                            hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
+                            while rel < lo:
+                                waited = release(bar, rel, waited)
+                                rel = int32(rel + int32(1))
+                            if hi > waited:
+                                wait_full(bar, hi)
+                                waited = hi
+                            chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, k1, nv, tl,
+                                  ph > 0 or DIRECT, sown, obase, int32(gs0 * int32(SP)), scale,
+                                  uint32(2) * d0)
+                            c = int32(c + int32(CHUNK))
+                        # direct: the block's one piece, in slot ``pi`` for the merge kernel;
+                        # else the span's state, folded in slot ``span_``
+                        if DIRECT:
+                            piece_end(lane, scr, oacc, ml, pi, pi, pi, False, True, row, h0, nh,
+                                      out, lse, part_o, part_ml, d0, dh == U0)
+                        else:
+                            # (m, l) alternate between slot span_ and span_ + nspans, the last
+                            # piece's landing in span_ (the span's partial)
+                            kth = int32(pi - kstart // int32(PA))
+                            left = int32(pe - int32(1) - pi)
+                            mwr = span_ if left % int32(2) == int32(0) else span_ + nspans
+                            mrd = span_ + nspans if left % int32(2) == int32(0) else span_
+                            piece_end(lane, scr, oacc, ml, span_, mrd, mwr, kth > int32(0),
+                                      left == int32(0), row, h0, nh, out, lse, part_o, part_ml,
+                                      d0, dh == U0)
+                        pi = int32(pi + int32(1))
                     end = int32(gs0 + nst)
                     while rel < end:
                         waited = release(bar, rel, waited)
                         rel = int32(rel + int32(1))
                 gs0 = int32(gs0 + nst)
-            if not producer:
-                piece_out(lane, scr, oacc, ml, nv, writer, npc, piece_, row, h0, nh, out, lse,
-                          part_o, part_ml, d0, dh == U0)
-        if fused != int32(0) and live and npc > int32(1):
+            if writer and kend == kstart:           # a row with no pages: out 0, lse -inf
+                empty_out(lane, row, h0, nh, out, lse, part_ml, d0, dh == U0)
+        if PARTS and fused != int32(0) and live and nv > int32(0):
             fold_out(lane, oacc, npc, row, h0, nh, out, lse, part_o, part_ml, d0, dh == U0)
 
     kernel.__name__ = (f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_np{NPW}_{dtype}_{out_kind}"
@@ -1029,14 +1134,20 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
 
 @functools.lru_cache(maxsize=None)
-def make_merge_kernel(d, out_kind, piece, npieces):
-    """Grid ``(rows, Hq)``, block ``d`` threads: rows with several pieces fold them in piece order:
-    ``M = max m_p``, ``L = sum_p l_p e^(m_p - M)``, ``out = sum_p O_p e^(m_p - M) / L``,
-    ``lse = M + log L``. Rows with one piece were written by the attention kernel. The loops run
-    ``npieces`` (the most a row has) times, guarded, so that the loads of all pieces issue together
-    (session 10: with the row's own count as the bound each piece's loads waited for the last
-    piece's; 157 us at 4096 x 32K)."""
-    D, PC, NP = int(d), int(piece), int(npieces)
+def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
+    """Grid ``(rows, Hq)``, block ``d`` threads: every row with tokens folds its spans in span
+    order: ``M = max M_s``, ``L = sum_s L_s e^(M_s - M)``, ``out = sum_s O_s e^(M_s - M) / L``,
+    ``lse = M + log L`` (one span: ``O / L``, the bits of a direct division). The union kernel left
+    one partial per span; ``direct`` blocks one per piece, and the span's partial is first folded
+    from its pieces in order as the union kernel folds them (:func:`_fold_step`). Rows without
+    tokens were written by the attention kernel (``l_0 = -1`` marks a row it found malformed).
+    Every slot is loaded first, the index clamped to the row's own slots (no read of an unwritten
+    one), so that all loads issue together (a guarded load per fold step waited for the step
+    before it: 12.7 us at one row with 16 pieces, Nsight Compute)."""
+    D, PA, PC, NP, NS = (int(v) for v in (d, piece, span, npieces, nspans))
+    DIRECT = bool(direct)
+    R = PC // PA if DIRECT else 1         # slots of a span (the row's last span takes the rest)
+    NL = NP if DIRECT else NS             # slots a row can have
     F0 = float32(0)
     conv = _out_conv(out_kind)
 
@@ -1045,25 +1156,52 @@ def make_merge_kernel(d, out_kind, piece, npieces):
         h = uint32(cuda.blockIdx.y)
         dd = uint32(cuda.threadIdx.x)
         nv = int32(num_vpages[row])
-        npc = max(int32(1), nv // int32(PC))
-        if npc < int32(2):
+        if nv <= int32(0) or part_ml[row, h, 0, 1] < F0:     # no tokens: written by the kernel
             return
+        nsp = max(int32(1), nv // int32(PC))
+        nsl = max(int32(1), nv // int32(PA)) if DIRECT else nsp
+        mv = cuda.local.array(NL, float32)
+        lv = cuda.local.array(NL, float32)
+        ov = cuda.local.array(NL, float32)
+        for x in range(NL):
+            q = min(int32(x), nsl - int32(1))
+            mv[x] = part_ml[row, h, q, 0]
+            lv[x] = part_ml[row, h, q, 1]
+            ov[x] = part_o[row, h, q, dd]
+        # M: the max over the spans' maxima, which is the max over their slots'
         mx = NEG_INF
-        for p in range(NP):
-            if p < npc:
-                mx = max(mx, part_ml[row, h, p, 0])
+        for x in range(NL):
+            if x < nsl:
+                mx = max(mx, mv[x])
+        # one pass over the slots: a span's state folds its slots in order (direct), and each
+        # span's state joins the sum over spans when the next span (or the row's end) begins
+        m = mv[0]
+        ls = lv[0]
+        o = ov[0]
         lsum = F0
         acc = F0
-        for p in range(NP):
-            if p < npc:
-                w = _fold_weight(part_ml[row, h, p, 0], mx)
-                lsum = _fold_add(lsum, part_ml[row, h, p, 1], w)
-                acc = _fold_add(acc, part_o[row, h, p, dd], w)
+        for x in range(1, NL + 1):
+            if x <= nsl:
+                if x < nsl and (x % R != 0 or x // R >= nsp):
+                    mn = max(m, mv[min(x, NL - 1)])
+                    a = _fold_weight(m, mn)
+                    b = _fold_weight(mv[min(x, NL - 1)], mn)
+                    ls = _fold_step(ls, a, lv[min(x, NL - 1)], b)
+                    o = _fold_step(o, a, ov[min(x, NL - 1)], b)
+                    m = mn
+                else:
+                    w = _fold_weight(m, mx)
+                    lsum = _fold_add(lsum, ls, w)
+                    acc = _fold_add(acc, o, w)
+                    if x < nsl:
+                        m = mv[min(x, NL - 1)]
+                        ls = lv[min(x, NL - 1)]
+                        o = ov[min(x, NL - 1)]
         out[row, h, dd] = conv(_fold_finish(acc, lsum))
         if dd == uint32(0):
             lse[row, h] = _fold_lse(mx, lsum)
 
-    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}_n{NP}"
+    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}_n{NL}{'_direct' if DIRECT else ''}"
     kernel.__qualname__ = kernel.__name__
     return jit(kernel)
 
@@ -1094,8 +1232,9 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     hg = hq // hkv
     kb1 = int(pages.shape[1])
     cfg = grouped_config(d, hg, rows, kb1, hkv, profile, single=tokens is None)
-    pc = cfg.piece
+    pc, span = cfg.piece, cfg.span
     npieces = pieces_of(kb1, pc)
+    nspans = pieces_of(kb1, span)
     g = cfg.rows_per_window
     nwin = -(-rows // g)
     first = np.arange(0, rows, g, dtype=np.int32)
@@ -1103,16 +1242,20 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     # One-row windows over the page-4 plan kernel's own plan (valid by construction) need no window
     # plan: the union is the row's own pages in order (session 11: 5.6 of 45 us at one row).
     direct = g == 1 and tokens is not None
-    cap = g * min(kb1, 2 * pc)
-    wunion = buffers("grouped.wunion", (1, 1, 1, 2) if direct else (nwin, npieces, cap, 2), np.int32)
-    wmeta = buffers("grouped.wmeta", (1, 1, 3) if direct else (nwin, npieces, 3), np.int32)
+    fused = cfg.fused and not direct
+    # blocks along y (split schedule): a union window's spans, a direct row's pieces; the partials
+    # a row leaves: one per span, one per piece (direct)
+    nblk, nslots = (npieces, npieces) if direct else (nspans, nspans)
+    cap = g * min(kb1, 2 * span)
+    wunion = buffers("grouped.wunion", (1, 1, 1, 2) if direct else (nwin, nspans, cap, 2), np.int32)
+    wmeta = buffers("grouped.wmeta", (1, 1, 3) if direct else (nwin, nspans, 3), np.int32)
     ownu = buffers("grouped.ownu", (1, 1) if direct else (rows, kb1), np.int32)
     if not direct:
-        kp = make_window_plan_kernel(cfg.plan_threads, pc, cfg.stage_pages, cfg.keep, g)
+        kp = make_window_plan_kernel(cfg.plan_threads, span, cfg.stage_pages, cfg.keep, g)
         keyed = np.int32(tokens is not None)
         if tokens is None:
             tokens = dev.constant(np.zeros((1, 1), np.int32), stream)
-        kp[(nwin, npieces), cfg.plan_threads, stream](tokens, keyed, pages, num_vpages, tail_len,
+        kp[(nwin, nspans), cfg.plan_threads, stream](tokens, keyed, pages, num_vpages, tail_len,
                                                       req_ids, windows, np.int32(k_cache.shape[0]),
                                                       np.int32(k_cache.shape[1]), wunion, wmeta,
                                                       ownu)
@@ -1126,18 +1269,23 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     ok = out_kind or _out_kind_of(out)
     ob = bits16(out)
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
-                            dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])), direct)
-    part_o = buffers("grouped.part_o", (rows if npieces > 1 else 1, hq, npieces, d), np.float32)
-    part_ml = buffers("grouped.part_ml", (rows if npieces > 1 else 1, hq, npieces, 2), np.float32)
+                            dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])), direct,
+                            span, nslots > 1)
+    # a row's partials, or (a span of several pieces) the state of its span's fold
+    held = rows if npieces > 1 else 1
+    part_o = buffers("grouped.part_o", (held, hq, nslots, d), np.float32)
+    # union windows: a span's (m, l) alternate with a second slot while its pieces are folded
+    part_ml = buffers("grouped.part_ml", (held, hq, nslots if direct else 2 * nslots, 2),
+                      np.float32)
     i64 = np.int64
     args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][2]),
             i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
-    _launch_dynamic(k, (nwin, 1 if cfg.fused else npieces, hkv), k.threads, stream, cfg.smem_bytes,
-                    args + (np.int32(cfg.fused), np.int32(npieces)))
-    if npieces > 1 and not cfg.fused:
-        km = make_merge_kernel(int(d), ok, pc, npieces)
+    _launch_dynamic(k, (nwin, 1 if fused else nblk, hkv), k.threads, stream, cfg.smem_bytes,
+                    args + (np.int32(fused), np.int32(nblk)))
+    if nslots > 1 and not fused:
+        km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
     return out, lse
 
@@ -1204,7 +1352,7 @@ def words_view(a, align=16):
 
 
 def _resource_cases():
-    cases = [("grouped_window_plan", make_window_plan_kernel(128, PIECE, 8, 6, window_rows(6)),
+    cases = [("grouped_window_plan", make_window_plan_kernel(128, SPAN, 8, 6, window_rows(6)),
               "void(int32[:, :], int32, int32[:, :, :], int32[:], int32[:], int32[:], int32[:, :], int32, "
               "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 128, 0, (9, 0))]
     # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
@@ -1213,20 +1361,26 @@ def _resource_cases():
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
            "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32)")
     for hg in (6, 12):
-        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
-        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True)
+        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True,
+                                span=SPAN)
         cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
-    # one-row windows (1-64 rows): no window plan, O's dims over two warps a head tile
-    cfg = GroupedConfig(256, 6, 6, 8, 1, 256)
-    k = make_grouped_kernel(256, 6, 6, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True)
+    # one-row windows (1-16 rows x 32K): no window plan, a block per piece, O's dims over two warps
+    # a head tile, a ring of DIRECT_STAGES (two blocks an SM)
+    cfg = GroupedConfig(256, 6, DIRECT_STAGES, 8, 1, 256)
+    k = make_grouped_kernel(256, 6, DIRECT_STAGES, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True)
     cases.append(("grouped_attn_direct_g6", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
     # bfloat16 q/K/V, output bfloat16 bits (uint16)
     sig_bf = sig.replace("float16[:, :, :], float32[:, :]", "uint16[:, :, :], float32[:, :]")
     for hg in (6, 12):
-        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256)
-        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16", sm90=True)
+        cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
+        k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16", sm90=True,
+                                span=SPAN)
         cases.append((f"grouped_attn_bf16_g{hg}", k, sig_bf, k.threads, cfg.smem_bytes, (9, 0)))
-    cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE, 4),
+    cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE, SPAN, 16, 4, False),
+                  "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "
+                  "float32[:, :])", 256, 0, (9, 0)))
+    cases.append(("grouped_merge_direct_bf16", make_merge_kernel(256, "bf16", PIECE, SPAN, 16, 4, True),
                   "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "
                   "float32[:, :])", 256, 0, (9, 0)))
     return cases
