@@ -1,8 +1,9 @@
 """The grouped attention route (numqsa.kernels.grouped) against the float64 oracle, and its invariances.
 
-Simulator tier: the sm_90 route (NUMQSA_ARCH=sm_90) with the simulator's small launch shape (2 ring
-stages of 4 pages, pieces of 8 pages, windows of 2 rows), so the ring, multi-piece merges and solo
-rows are all exercised on tiny problems. GPU tier: the shipped shape at every head geometry.
+Simulator tier: the sm_90 route (NUMQSA_ARCH=sm_90) with the simulator's small shapes (3 ring
+stages of 4 pages, pieces of 8 pages in spans of 16, windows of 2 rows), so the ring, the fold of a
+span's pieces, multi-span merges and solo rows are all exercised on tiny problems. GPU tier: the
+shipped shape at every head geometry.
 """
 import numpy as np
 import pytest
@@ -107,9 +108,10 @@ def test_grouped_piece_boundaries(rng, monkeypatch):
 
 
 def test_grouped_direct_windows(rng, monkeypatch):
-    """One-row windows over the plan kernel's own plan run the direct kernel (no window plan: the
-    block streams its row's pages of the piece in order). Rows shorter than a piece, one page past
-    one, two pieces and one, tails of 0-3 tokens, inert and stale rows, two requests: against the
+    """One-row windows over the plan kernel's own plan run the direct kernel (no window plan: a
+    block streams one piece of its row in order, the merge folds the pieces into spans). Rows
+    shorter than a piece, one page past one, two pieces and one, three pieces (two folds of a span's
+    state in the union kernel), tails of 0-3 tokens, inert and stale rows, two requests: against the
     oracle, and bitwise the same as two-row windows sharing a union."""
     p = small_problem(rng, [120, 40], None, positions=[31, 32, 65, 50, -3, 35, 39, 130, 98, 20],
                       req_ids=[0, 0, 0, 3, 0, 1, 1, 0, 0, 0])
