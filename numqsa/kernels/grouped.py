@@ -66,8 +66,9 @@ __all__ = ["GroupedConfig", "grouped_config", "window_size", "takes_head_dim", "
 #: page-4 kernel (numqsa.kernels.page4).
 SM70 = False
 
-PIECE = 32             # virtual pages per piece (arithmetic): 513 pages (Kb 512 + tail) -> 16 pieces
-SPAN = 128             # pages a union window's block streams per phase: 4 pieces (launch shape only)
+PIECE = 32             # pages a piece (arithmetic): 513 pages (Kb 512 + tail) -> 16 pieces
+SPAN = 128             # pages a span: its 4 pieces fold in order (arithmetic too); a union block
+#                        streams one span per phase
 DIRECT_STAGES = 3      # ring stages of a direct block: 101 KB, two blocks an SM
 FUSE_WAVES = 8         # windows per SM from which one block runs all of a window's spans
 MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
@@ -95,7 +96,7 @@ class GroupedConfig:
                  producers=PRODUCERS, fused=False, span=None):
         self.d = int(d)
         self.piece = int(piece)                                  # arithmetic: fixed per platform
-        # pieces folded in order into one partial (arithmetic too; union blocks stream a span)
+        # pages of a span, whose pieces fold in order into one partial (arithmetic, as the piece)
         self.span = self.piece if span is None else int(span)
         if self.span % self.piece:
             raise ValueError(f"span {self.span} is not a multiple of the piece {self.piece}")
