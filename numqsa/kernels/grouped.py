@@ -793,6 +793,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                       mkd)
 
     @device_jit(forceinline=True)
+    def o_dim(d0, g, mt, i):
+        """The dim of O^T accumulator ``4 * mt + i`` of a lane in row group ``g`` (its head is
+        ``2 * (lane & 3) + (i & 1)``): the m16n8 accumulator layout, m-tile ``mt``."""
+        return d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+
+    @device_jit(forceinline=True)
     def piece_end(lane, scr, oacc, ml, slot, mrd, mwr, fold, last, row, h0, nh, out, lse, part_o,
                   part_ml, d0, lsew):
         """A piece's end: its ``(O, m, l)`` (``l`` summed over the column's lanes), folded into the
@@ -831,7 +837,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             m1 = nb
             for mt in range(NMT):
                 for i in range(4):
-                    dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                    dd = o_dim(d0, g, mt, i)
                     if (i & 1) == 0:
                         oacc[4 * mt + i] = _fold_step(part_o[row, ha, slot, dd], aa,
                                                       oacc[4 * mt + i], ba)
@@ -859,7 +865,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     part_ml[row, h0 + hh, mwr, 1] = li
         for mt in range(NMT):
             for i in range(4):
-                dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                dd = o_dim(d0, g, mt, i)
                 hh = hA + (uint32(i) & U1)
                 if hh < nh:
                     if direct_out:
@@ -884,7 +890,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     part_ml[row, h0 + hA + uint32(i), 0, 1] = float32(-1)
         for mt in range(NMT):
             for i in range(4):
-                dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                dd = o_dim(d0, g, mt, i)
                 hh = hA + (uint32(i) & U1)
                 if hh < nh:
                     out[row, h0 + hh, dd] = conv(F0)
@@ -926,7 +932,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 for mh in range(NMT // FQ):
                     mt = mh + part * (NMT // FQ)
                     for i in range(4):
-                        dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                        dd = o_dim(d0, g, mt, i)
                         if (i & 1) == 0:
                             oacc[4 * mt + i] = _fold_add(oacc[4 * mt + i], part_o[row, ha, p, dd],
                                                          wa)
@@ -935,7 +941,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                                                          wb)
         for mt in range(NMT):
             for i in range(4):
-                dd = d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+                dd = o_dim(d0, g, mt, i)
                 hh = hA + (uint32(i) & U1)
                 if hh < nh:
                     if (i & 1) == 0:
