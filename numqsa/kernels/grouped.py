@@ -107,7 +107,7 @@ class GroupedConfig:
         self.producers = int(producers)                          # copy warps beside the rows' warps
         self.rows_per_window = int(rows_per_window)              # G
         self.plan_threads = int(plan_threads)
-        self.fused = bool(fused)             # one block runs all of a window's pieces and folds them
+        self.fused = bool(fused)             # one block runs all of a window's spans and folds them
 
     @property
     def keep(self):
@@ -142,11 +142,11 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     stages = TUNING.get("nb", 6 if profile.smem_per_sm >= 200 * 1024 else 4)
     if direct:
         stages = TUNING.get("nbd", DIRECT_STAGES)
-    # fused: a block per window runs its spans in turn and folds the pieces (no merge kernel),
-    # where the windows alone fill FUSE_WAVES waves of the SMs
+    # fused: a block per window runs its spans in turn and folds them (no merge kernel), where the
+    # windows alone fill FUSE_WAVES waves of the SMs (direct blocks never: launch_grouped)
     fused = bool(TUNING.get("fu", -(-rows // g) * hkv >= FUSE_WAVES * sms))
     return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 128, piece=PIECE,
-                         producers=producers, fused=fused and not direct, span=SPAN)
+                         producers=producers, fused=fused, span=SPAN)
 
 
 def takes_head_dim(d):
@@ -1250,9 +1250,9 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     # plan: the union is the row's own pages in order (session 11: 5.6 of 45 us at one row).
     direct = g == 1 and tokens is not None
     fused = cfg.fused and not direct
-    # blocks along y (split schedule): a union window's spans, a direct row's pieces; the partials
-    # a row leaves: one per span, one per piece (direct)
-    nblk, nslots = (npieces, npieces) if direct else (nspans, nspans)
+    # a row's partials, and the blocks along y of the split schedule: one per span (union
+    # windows), one per piece (direct)
+    nslots = npieces if direct else nspans
     cap = g * min(kb1, 2 * span)
     wunion = buffers("grouped.wunion", (1, 1, 1, 2) if direct else (nwin, nspans, cap, 2), np.int32)
     wmeta = buffers("grouped.wmeta", (1, 1, 3) if direct else (nwin, nspans, 3), np.int32)
@@ -1289,8 +1289,8 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
             i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
-    _launch_dynamic(k, (nwin, 1 if fused else nblk, hkv), k.threads, stream, cfg.smem_bytes,
-                    args + (np.int32(fused), np.int32(nblk)))
+    _launch_dynamic(k, (nwin, 1 if fused else nslots, hkv), k.threads, stream, cfg.smem_bytes,
+                    args + (np.int32(fused), np.int32(nslots)))
     if nslots > 1 and not fused:
         km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
