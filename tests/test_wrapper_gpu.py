@@ -95,6 +95,39 @@ def test_gpu_graph_replay_bitwise(seed):
         np.testing.assert_array_equal(a.cpu().numpy(), b)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 1024])
+def test_gpu_graph_branch_bitwise(seed, rows, monkeypatch):
+    """The replay graph runs the generic kernel (the plan's inert and empty rows) on a branch
+    beside the grouped kernels; replay after replay it gives the bits of the kernels launched one
+    by one in stream order (a row written by both branches would show as a difference in some
+    replay). Every 7th row is inert (request -1): out 0, lse -inf."""
+    import torch
+    p = gpu_problem(seed, rows=rows)
+    p["req_ids"] = p["req_ids"].copy()
+    p["req_ids"][3::7] = -1
+    meta, layer = to_torch(torch, p, META), to_torch(torch, p, LAYER)
+
+    def runs(n):
+        w = wrapper().plan(*meta)
+        got = [[x.cpu().numpy() for x in w.run(*layer)] for _ in range(n)]
+        return got, next(iter(w._programs.values()))
+    monkeypatch.setenv("NUMQSA_PREPARED_LAUNCH", "0")
+    (one_by_one,), prog = runs(1)
+    assert not prog.fast
+    monkeypatch.setenv("NUMQSA_PREPARED_LAUNCH", "1")
+    graph, prog = runs(5)
+    assert prog.fast and prog.graph, prog.fallback_reason
+    assert any(r.after is not None for r in prog.records)
+    out, lse = one_by_one
+    inert = p["req_ids"] < 0
+    if inert.any():
+        assert np.all(out[inert] == 0) and np.all(np.isneginf(lse[inert]))
+    assert np.all(np.isfinite(lse[~inert]))
+    for got in graph:
+        for a, b in zip(one_by_one, got):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_gpu_functional_calls_do_not_wait_and_stay_native(seed):
     """Default arguments, torch in: select, sparse_attention, qsa_prefill and the stage functions
     return torch tensors, leave a busy GPU busy (no read-back, no synchronising free), and give

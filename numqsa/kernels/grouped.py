@@ -498,7 +498,7 @@ def _out_conv(out_kind):
 @functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
                         producers=PRODUCERS, sm90=False, slot_strides=None, direct=False, span=None,
-                        parts=True):
+                        parts=True, empty_rows=True):
     """Grid ``(windows, spans, Hkv)`` (direct: ``(rows, pieces, Hkv)``), block ``32 * (rows_per_window
     * HT * DS + producers)`` threads (``DS`` = 2 warps a head tile in direct blocks, else 1),
     dynamic shared memory ``GroupedConfig.smem_bytes``. ``piece`` and ``span``: the arithmetic's
@@ -512,6 +512,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     its row's pages of one piece in order, as a solo phase does (``wunion``, ``wmeta`` and ``ownu``
     are not read), each head tile on two warps (the same ``S^T`` and softmax step, each half of
     O^T's m-tiles: the dims of O are independent sums, so the bits of one warp).
+    ``empty_rows``: rows without pages (``num_vpages = 0``) get ``out = 0``, ``lse = -inf``; else
+    they are left to another kernel (the generic one, beside this one in the graph) and only rows
+    the window plan found malformed are written so.
 
     Warps ``0 .. G*HT-1`` are the rows' (consumers); the last ``producers`` warps only copy. Stage
     ``s`` of the block's stream (every phase's stages in one sequence) goes to ring buffer
@@ -528,6 +531,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     # rows can have several spans (direct blocks: pieces): each leaves its partial for the fold,
     # which also finishes one-span rows (one arithmetic, no out path)
     PARTS = bool(parts)
+    EMPTY = bool(empty_rows)
     NPW = int(producers)
     if DIRECT and G != 1:
         raise ValueError("the direct grouped kernel runs one-row windows")
@@ -971,10 +975,24 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         d0 = uint32(16 * NMT) * dh
         h0 = j * uint32(HG) + ht * uint32(HH)
         nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
-        first = int32(windows[win, 0])
+        first = int32(windows[win, 0])        # (windows: a constant of the launch)
         cnt = int32(windows[win, 1])
         row = first + wslot
         live = wslot < cnt and not producer
+        qf = cuda.local.array(NQF, uint32)
+        if DIRECT:
+            # q and the barriers first (inputs and shared memory only): q's loads in flight
+            # beside those of the plan's outputs
+            for ks in range(NKS):
+                for jj in range(2):
+                    wq = U0
+                    if live and g < nh:
+                        wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
+                                       + int32(t)])
+                    qf[2 * ks + jj] = wq
+            if tid < uint32(NB):
+                mbar_init(bar, tid, 32 * NPW)
+                mbar_init(bar, tid + UNB, 32 * NCW)
         nv = int32(0)
         tl = int32(0)
         if live:
@@ -982,6 +1000,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             tl = int32(tail_len[row])
             if not DIRECT and (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
                 nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
+            elif not EMPTY and nv == int32(0):
+                live = False              # a row without pages: another kernel's
         elif DIRECT:                      # the producers stream the window's one row
             nv = int32(num_vpages[first])
         npc = max(int32(1), nv // int32(PC))       # spans
@@ -993,18 +1013,19 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             p_lo = int32(0)
             p_hi = int32(nspans)
 
-        qf = cuda.local.array(NQF, uint32)
-        for ks in range(NKS):
-            for jj in range(2):
-                wq = U0
-                if live and p_lo < npc and g < nh:
-                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj) + int32(t)])
-                qf[2 * ks + jj] = wq
+        if not DIRECT:
+            for ks in range(NKS):
+                for jj in range(2):
+                    wq = U0
+                    if live and p_lo < npc and g < nh:
+                        wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
+                                       + int32(t)])
+                    qf[2 * ks + jj] = wq
         oacc = cuda.local.array(NOA, float32)
         ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
         sb = shared_base(dyn)
         obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
-        if tid < uint32(NB):
+        if tid < uint32(NB) and not DIRECT:
             mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
             mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
 
@@ -1223,14 +1244,15 @@ def pieces_of(kb1, piece):
 
 
 def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req_ids, scale, out,
-                   lse, profile, stream, buffers, dtype=None, out_kind=None):
+                   lse, profile, stream, buffers, dtype=None, out_kind=None, empty_rows=True):
     """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
     ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
     ``tokens`` (the selection the plan came from) orders the windows' unions by logical group;
     without it every row is its own window (same arithmetic, no shared loads).
     K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`).
     ``dtype`` ("f16"/"bf16", q and K/V) and ``out_kind`` ("f32"/"f16"/"bf16") default to the
-    arrays' own; a bfloat16 ``out`` is written through its uint16 bits."""
+    arrays' own; a bfloat16 ``out`` is written through its uint16 bits. ``empty_rows=False``: rows
+    without pages are another kernel's to write (:func:`make_grouped_kernel`)."""
     from .. import device as dev
     rows, hq, d = q.shape
     hkv = int(k_cache.shape[2])
@@ -1277,7 +1299,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     ob = bits16(out)
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
                             dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])), direct,
-                            span, nslots > 1)
+                            span, nslots > 1, empty_rows)
     # a row's partials, or (a span of several pieces) the state of its span's fold
     held = rows if npieces > 1 else 1
     part_o = buffers("grouped.part_o", (held, hq, nslots, d), np.float32)
@@ -1362,7 +1384,8 @@ def _resource_cases():
     cases = [("grouped_window_plan", make_window_plan_kernel(128, SPAN, 8, 6, window_rows(6)),
               "void(int32[:, :], int32, int32[:, :, :], int32[:], int32[:], int32[:], int32[:, :], int32, "
               "int32, int32[:, :, :, :], int32[:, :, :], int32[:, :])", 128, 0, (9, 0))]
-    # as launched: C-contiguous word views (words_view) and plan buffers; out/lse the caller's
+    # as sparse_attention launches them (empty rows the generic kernel's): C-contiguous word views
+    # (words_view) and plan buffers; out/lse the caller's
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
@@ -1370,19 +1393,20 @@ def _resource_cases():
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True,
-                                span=SPAN)
+                                span=SPAN, empty_rows=False)
         cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
     # one-row windows (1-16 rows x 32K): no window plan, a block per piece, O's dims over two warps
     # a head tile, a ring of DIRECT_STAGES (two blocks an SM)
     cfg = GroupedConfig(256, 6, DIRECT_STAGES, 8, 1, 256)
-    k = make_grouped_kernel(256, 6, DIRECT_STAGES, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True)
+    k = make_grouped_kernel(256, 6, DIRECT_STAGES, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True,
+                            empty_rows=False)
     cases.append(("grouped_attn_direct_g6", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
     # bfloat16 q/K/V, output bfloat16 bits (uint16)
     sig_bf = sig.replace("float16[:, :, :], float32[:, :]", "uint16[:, :, :], float32[:, :]")
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "bf16", "bf16", sm90=True,
-                                span=SPAN)
+                                span=SPAN, empty_rows=False)
         cases.append((f"grouped_attn_bf16_g{hg}", k, sig_bf, k.threads, cfg.smem_bytes, (9, 0)))
     cases.append(("grouped_merge_bf16", make_merge_kernel(256, "bf16", PIECE, SPAN, 16, 4, False),
                   "void(int32[:], float32[:, :, :, :], float32[:, :, :, :], uint16[:, :, :], "

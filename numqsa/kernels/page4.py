@@ -36,10 +36,12 @@ def make_plan_kernel(threads, r):
     ``t0`` above the previous page's last id, ``< seq_len``, and the table column and page id in
     range, and the row's pages must fit ``pages.shape[1]`` (:func:`plan_pages`); any failure sets a
     shared flag. Pass 2 (after a barrier) writes every entry of
-    ``pages[row]`` -- the plan or ``-1`` -- plus ``num_vpages`` and ``tail_len``.
+    ``pages[row]`` -- the plan or ``-1`` -- plus ``num_vpages`` and ``tail_len``. A thread's first
+    page (``v = tid``) is read before the first barrier, beside the row's metadata.
     Shared memory: 4 bytes.
     """
     NT, R = int(threads), int(r)
+    R1 = R + 1
     UNT, UR = uint32(NT), uint32(R)
 
     @jit
@@ -49,11 +51,27 @@ def make_plan_kernel(threads, r):
         row = uint32(cuda.blockIdx.x)
         width = int32(tokens.shape[1])
         slots = uint32(pages.shape[1])
+        cols = int32(block_table.shape[1])
+        ps = int32(num_pages[1])
+        npg = int32(num_pages[0])
         req = int32(req_ids[row])
-        slen = int32(0)
-        if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(block_table.shape[0]):
-            slen = int32(seq_lens[req])
         n = int32(counts[row])
+        # the ids of page v = tid and the one before it, and its table entry, loaded beside the
+        # row's metadata (clamped into the row; used only where the checks below read them), so
+        # that the row's loads are two round trips, not four
+        tk = cuda.local.array(R1, int32)
+        k0s = int32(tid * UR)
+        for x in range(R1):
+            tk[x] = int32(-1)
+            if width > int32(0):
+                tk[x] = int32(tokens[row, min(max(k0s + int32(x - 1), int32(0)), width - int32(1))])
+        rq = req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(block_table.shape[0])
+        slen = int32(0)
+        pg0 = int32(-1)
+        if rq:
+            slen = int32(seq_lens[req])
+            if tk[1] >= int32(0) and tk[1] // ps < cols:
+                pg0 = int32(block_table[req, tk[1] // ps])
         if tid == uint32(0):
             sbad[0] = int32(0)
             if slen <= int32(0) or n <= int32(0) or n > width:
@@ -68,28 +86,29 @@ def make_plan_kernel(threads, r):
         nfull = uint32(n) // UR
         tail = uint32(n) - nfull * UR
         nv = nfull + uint32(1 if tail > uint32(0) else 0)
-        cols = int32(block_table.shape[1])
-        ps = int32(num_pages[1])
-        npg = int32(num_pages[0])
         for v in range(tid, nv, UNT):
+            own = v == tid
             k0 = v * UR
             len_v = UR
             if v == nfull:
                 len_v = tail
-            t0 = int32(tokens[row, k0])
+            t0 = tk[1] if own else int32(tokens[row, k0])
             bad = t0 < int32(0) or t0 % int32(R) != int32(0) or t0 + int32(len_v) > slen
-            for x in range(uint32(1), len_v):
-                if int32(tokens[row, k0 + x]) != t0 + int32(x):
-                    bad = True
+            for x in range(1, R):
+                if uint32(x) < len_v:
+                    tx = tk[1 + x] if own else int32(tokens[row, k0 + uint32(x)])
+                    if tx != t0 + int32(x):
+                        bad = True
             if v > uint32(0):
-                if int32(tokens[row, k0 - uint32(1)]) >= t0:
+                tp = tk[0] if own else int32(tokens[row, k0 - uint32(1)])
+                if tp >= t0:
                     bad = True
             if not bad:
                 c = t0 // ps
                 if c >= cols:
                     bad = True
                 else:
-                    pg = int32(block_table[req, c])
+                    pg = pg0 if own else int32(block_table[req, c])
                     if pg < int32(0) or pg >= npg:
                         bad = True
             if bad:
@@ -102,9 +121,10 @@ def make_plan_kernel(threads, r):
             pg = int32(-1)
             sl = int32(-1)
             if v < nv:
-                t0 = int32(tokens[row, v * UR])
+                own = v == tid
+                t0 = tk[1] if own else int32(tokens[row, v * UR])
                 c = t0 // ps
-                pg = int32(block_table[req, c])
+                pg = pg0 if own else int32(block_table[req, c])
                 sl = t0 - c * ps
             pages[row, v, 0] = pg
             pages[row, v, 1] = sl

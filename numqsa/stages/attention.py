@@ -21,6 +21,7 @@ import numpy as np
 from oracle import validate as V
 
 from .. import device as dev
+from .. import launch
 from ..kernels import attention as _generic
 from ..kernels import grouped as _grouped
 from ..kernels import page4 as _page4
@@ -72,17 +73,21 @@ def _grouped_ok(profile, q, k_cache, v_cache):
 
 
 def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse, od,
-                          profile, stream, r, bufs):
+                          profile, stream, r, bufs, empty_rows=True):
     """The grouped kernel of this device and layout over a page-4 plan. ``tokens`` (the selection
-    the plan came from) lets windows of rows share loads; without it each row is its own window."""
+    the plan came from) lets windows of rows share loads; without it each row is its own window.
+    ``empty_rows=False``: the tensor-core grouped kernel leaves rows without pages to the generic
+    kernel; returns whether it ran (the m8n8k4 page-4 kernel writes every row)."""
     if _grouped_ok(profile, q, k_cache, v_cache):
         _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
-                                profile, stream, bufs)
+                                profile, stream, bufs, empty_rows=empty_rows)
+        return True
     else:
         keys = None if tokens is None else bufs("page4.keys", _page4.keys_shape(tokens, pages, r),
                                                 np.int32)
         _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
                             stream, r, tokens=tokens, keys=keys)
+        return False
 
 
 def route(rows, page_size, r=4, cc=None):
@@ -146,13 +151,16 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
                          int_buffer("page4.num_vpages", (rows,)), int_buffer("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
         _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
-        _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od, plan.profile,
-                              stream, r, bufs)
+        planned = launch.mark()
+        grouped = _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od,
+                                        plan.profile, stream, r, bufs, empty_rows=False)
         # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
         # one; select() never makes such) left its row inert above: the generic kernel takes exactly
-        # those rows, so the route choice never changes which tokens a row attends to.
-        _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
-                                  stream, skip=nv)
+        # those rows (and the empty ones), so the route choice never changes which tokens a row
+        # attends to. Beside the grouped kernels' rows (disjoint), it waits for the plan only.
+        with launch.after(planned if grouped else None):
+            _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse,
+                                      plan.profile, stream, skip=nv)
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
