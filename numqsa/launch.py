@@ -77,14 +77,15 @@ def _take_after():
 
 
 def mark():
-    """Index of the last launch recorded on this thread so far (None when not recording)."""
+    """Index of the last launch recorded on this thread so far: -1 before the first (the graph's
+    root), None when not recording."""
     records = _recording()
-    return None if records is None or not records else len(records) - 1
+    return None if records is None else len(records) - 1
 
 
 @contextmanager
 def after(index):
-    """The first launch recorded inside waits for record ``index`` (a :func:`mark`) only, so that
+    """The first launch recorded inside waits for record ``index`` (a :func:`mark`; -1: none) only, so that
     in the replay graph it runs beside the launches recorded between the two (they must write
     disjoint memory); the launch after the block waits for both branches. Launched directly (not
     recording, or replayed one by one) everything stays in stream order."""
@@ -345,7 +346,7 @@ class Program:
         try:
             nodes, sinks = [], []
             for i, ((fn, g, b, smem, params), rec) in enumerate(zip(self._launches, self.records)):
-                deps = list(sinks) if rec.after is None else [rec.after]
+                deps = list(sinks) if rec.after is None else [rec.after] if rec.after >= 0 else []
                 sinks = [x for x in sinks if x not in deps] + [i]
                 prev = [nodes[x][0] for x in deps]
                 node_params = cu.CUDA_KERNEL_NODE_PARAMS()

@@ -127,6 +127,26 @@ def test_grouped_direct_windows(rng, monkeypatch):
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+def test_grouped_direct_windows_hand_made_rows(rng, monkeypatch):
+    """Direct blocks read their own pages from the selection, beside the page-4 plan: rows the plan
+    leaves out (ids in any order and unaligned, one group shifted off its alignment) are the
+    generic kernel's whatever pages their blocks read (page 0 for an id the plan rejects: no load
+    leaves the cache); every row as the oracle."""
+    p = small_problem(rng, [150, 90], [5, 2], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=24,
+                               mode="overlap")
+    assert grouped.pieces_of(tokens.shape[1] // 4, 8) > 1          # pieces: the direct blocks' branch
+    n = int(counts[1])
+    tokens[1, :n] = rng.permutation(int(p["positions"][1]) + 1)[:n]
+    assert counts[3] >= 8
+    tokens[3, 4:8] = np.minimum(tokens[3, 4:8] + 1, p["positions"][3])
+    _launch_shape(monkeypatch, 1)
+    plans = _window_plans(monkeypatch)
+    out, lse = run_attention(p, tokens, counts, "page4")
+    assert not plans
+    check(p, tokens, counts, out, lse)
+
+
 def test_window_plan_marks_solo_rows_and_pieces(rng):
     """Random (low-overlap) selections spread chunks over more stages than the ring keeps: such rows
     are solo; rows of more than one piece are merged. The union holds each group once."""
