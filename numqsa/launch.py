@@ -77,15 +77,14 @@ def _take_after():
 
 
 def mark():
-    """Index of the last launch recorded on this thread so far: -1 before the first (the graph's
-    root), None when not recording."""
+    """Index of the last launch recorded on this thread so far (None when not recording)."""
     records = _recording()
-    return None if records is None else len(records) - 1
+    return None if records is None or not records else len(records) - 1
 
 
 @contextmanager
 def after(index):
-    """The first launch recorded inside waits for record ``index`` (a :func:`mark`; -1: none) only, so that
+    """The first launch recorded inside waits for record ``index`` (a :func:`mark`) only, so that
     in the replay graph it runs beside the launches recorded between the two (they must write
     disjoint memory); the launch after the block waits for both branches. Launched directly (not
     recording, or replayed one by one) everything stays in stream order."""
@@ -346,7 +345,7 @@ class Program:
         try:
             nodes, sinks = [], []
             for i, ((fn, g, b, smem, params), rec) in enumerate(zip(self._launches, self.records)):
-                deps = list(sinks) if rec.after is None else [rec.after] if rec.after >= 0 else []
+                deps = list(sinks) if rec.after is None else [rec.after]
                 sinks = [x for x in sinks if x not in deps] + [i]
                 prev = [nodes[x][0] for x in deps]
                 node_params = cu.CUDA_KERNEL_NODE_PARAMS()
@@ -434,7 +433,10 @@ class Program:
             args = list(rec.args)
             for k, j, off, a in pts:
                 args[k] = _view_like(a, ptrs[j] + off, views[j] if views is not None else None)
-            rec.kernel[rec.grid, rec.block, stream, rec.smem](*args)
+            cfg = rec.kernel[rec.grid, rec.block, stream, rec.smem]
+            if rec.callbacks:            # e.g. the >48 KB shared-memory opt-in, as in _prepare_params
+                cfg.pre_launch_callbacks.extend(rec.callbacks)
+            cfg(*args)
 
 
 class _HostView:

@@ -128,14 +128,13 @@ def test_grouped_direct_windows(rng, monkeypatch):
 
 
 def test_grouped_direct_windows_hand_made_rows(rng, monkeypatch):
-    """Direct blocks read their own pages from the selection, beside the page-4 plan: rows the plan
-    leaves out (ids in any order and unaligned, one group shifted off its alignment) are the
-    generic kernel's whatever pages their blocks read (page 0 for an id the plan rejects: no load
-    leaves the cache); every row as the oracle."""
+    """One-row windows of several pieces beside rows the plan leaves out (ids in any order and
+    unaligned, one group shifted off its alignment): those rows are the generic kernel's, on its
+    graph branch, which the direct blocks and the merge leave alone; every row as the oracle."""
     p = small_problem(rng, [150, 90], [5, 2], page_size=16)
     tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=24,
                                mode="overlap")
-    assert grouped.pieces_of(tokens.shape[1] // 4, 8) > 1          # pieces: the direct blocks' branch
+    assert grouped.pieces_of(tokens.shape[1] // 4, 8) > 1          # pieces: the merge runs
     n = int(counts[1])
     tokens[1, :n] = rng.permutation(int(p["positions"][1]) + 1)[:n]
     assert counts[3] >= 8

@@ -52,7 +52,6 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda.types import float16
 
-from .. import launch
 from ..jit import SIMULATOR, device_jit, jit
 from .common import bits16, is_bf16
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
@@ -536,8 +535,6 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NPW = int(producers)
     if DIRECT and G != 1:
         raise ValueError("the direct grouped kernel runs one-row windows")
-    if DIRECT and empty_rows:
-        raise ValueError("direct blocks leave rows without pages to the generic kernel")
     if D % 16:
         raise ValueError(f"the grouped kernel needs d % 16 == 0, got {D}")
     HT = -(-HG // HEAD_TILE)
@@ -573,8 +570,6 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     # load there stalls on long scoreboard), when they fit beside the ring
     STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
                <= SMEM_BLOCK_MAX)
-    if DIRECT and not STAGE_U:
-        raise ValueError("direct blocks stage their pages' ids beside the ring")
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
     UNB = uint32(NB)
@@ -680,25 +675,6 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         return pv
 
     pv_full, pv_masked = make_pv(False), make_pv(True)
-
-    @device_jit(forceinline=True)
-    def own_page(tokens, req_ids, table, npages, ps, row, v):
-        """(physical page, first slot) of a direct row's virtual page ``v``, as the page-4 plan
-        computes it from the row's selection; an id the plan would reject (out of the table or the
-        cache, or not 4-aligned) reads page 0, slot 0 instead: the row is then inert (the plan's
-        ``num_vpages`` 0) and its pieces are never folded, but no load leaves the cache."""
-        t0 = int32(tokens[row, int32(4) * v])
-        req = int32(req_ids[row])
-        pg = int32(0)
-        sl = int32(0)
-        if (t0 >= int32(0) and t0 % int32(4) == int32(0) and req >= int32(0)
-                and req < int32(table.shape[0]) and t0 // ps < int32(table.shape[1])):
-            c = t0 // ps
-            p = int32(table[req, c])
-            if p >= int32(0) and p < npages and t0 - c * ps + int32(4) <= ps:
-                pg = p
-                sl = t0 - c * ps
-        return pg, sl
 
     @device_jit(forceinline=True)
     def row_addr(kk, kl, kstart, tr, solo_phase, sown, obase, ubase):
@@ -978,8 +954,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         out[row, h0 + hh, dd] = conv(_fold_finish(oacc[4 * mt + i], lb))
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
-               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans,
-               tokens, counts, req_ids, table, npages, psize):
+               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans):
         dyn = cuda.shared.array(0, uint32)
         bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
@@ -1020,23 +995,15 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 mbar_init(bar, tid + UNB, 32 * NCW)
         nv = int32(0)
         tl = int32(0)
-        if DIRECT:
-            # the row's pages as the page-4 plan counts them, from its selection (PARTS: the plan
-            # may still run; a row it finds malformed is the generic kernel's, its pieces unread)
-            nsel = min(max(int32(counts[first]), int32(0)), int32(tokens.shape[1]))
-            tl = nsel % int32(4)
-            nv = nsel // int32(4) + (int32(1) if tl > int32(0) else int32(0))
-            if not PARTS and int32(num_vpages[first]) == int32(0):
-                nv = int32(0)            # (one piece: out is written here, after the plan)
-            if nv == int32(0):
-                live = False             # a row without pages: the generic kernel's
-        elif live:
+        if live:
             nv = int32(num_vpages[row])
             tl = int32(tail_len[row])
-            if (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
+            if not DIRECT and (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
                 nv = int32(0)             # a malformed plan row: inert (the window plan checked it)
             elif not EMPTY and nv == int32(0):
                 live = False              # a row without pages: another kernel's
+        elif DIRECT:                      # the producers stream the window's one row
+            nv = int32(num_vpages[first])
         npc = max(int32(1), nv // int32(PC))       # spans
         npa = max(int32(1), nv // int32(PA))       # pieces (the arithmetic's)
         # split: this block's span (the merge kernel folds); fused: every span, folded below
@@ -1076,11 +1043,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             if writer and ht == U0 and not DIRECT:
                 for x in range(kstart + int32(lane), kend, int32(32)):
                     sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
-            if DIRECT:
-                for x in range(tid, uint32(nstream0), UNT):
-                    pg, sl = own_page(tokens, req_ids, table, npages, psize, first, kstart + int32(x))
-                    su[x, 0] = pg
-                    su[x, 1] = sl
+            if STAGE_U and DIRECT:
+                for x in range(tid, uint32(2 * nstream0), UNT):
+                    su[x >> U1, x & U1] = pages[first, kstart + int32(x >> U1), x & U1]
             elif STAGE_U:
                 for x in range(tid, uint32(2 * nstream0), UNT):
                     su[x >> U1, x & U1] = wunion[win, span_, x >> U1, x & U1]
@@ -1279,8 +1244,7 @@ def pieces_of(kb1, piece):
 
 
 def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req_ids, scale, out,
-                   lse, profile, stream, buffers, dtype=None, out_kind=None, empty_rows=True,
-                   counts=None, block_table=None, before_plan=None):
+                   lse, profile, stream, buffers, dtype=None, out_kind=None, empty_rows=True):
     """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
     ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
     ``tokens`` (the selection the plan came from) orders the windows' unions by logical group;
@@ -1288,11 +1252,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`).
     ``dtype`` ("f16"/"bf16", q and K/V) and ``out_kind`` ("f32"/"f16"/"bf16") default to the
     arrays' own; a bfloat16 ``out`` is written through its uint16 bits. ``empty_rows=False``: rows
-    without pages are another kernel's to write (:func:`make_grouped_kernel`).
-    ``counts``, ``block_table`` (the selection's) and ``before_plan`` (the record before the page-4
-    plan's, :func:`numqsa.launch.mark`): one-row windows of several pieces then read their pages
-    from the selection themselves, so that in the replay graph they run beside the plan (the merge
-    waits for both)."""
+    without pages are another kernel's to write (:func:`make_grouped_kernel`)."""
     from .. import device as dev
     rows, hq, d = q.shape
     hkv = int(k_cache.shape[2])
@@ -1310,7 +1270,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     windows = dev.constant(np.stack([first, np.minimum(g, rows - first)], 1).astype(np.int32), stream)
     # One-row windows over the page-4 plan kernel's own plan (valid by construction) need no window
     # plan: the union is the row's own pages in order (session 11: 5.6 of 45 us at one row).
-    direct = g == 1 and tokens is not None and counts is not None
+    direct = g == 1 and tokens is not None
     fused = cfg.fused and not direct
     # a row's partials, and the blocks along y of the split schedule: one per span (union
     # windows), one per piece (direct)
@@ -1351,16 +1311,8 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
             i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
-    if direct:
-        sel = (tokens, counts, req_ids, block_table)
-    else:
-        sel = (ownu, num_vpages, num_vpages, ownu)          # not read
-    args += (np.int32(fused), np.int32(nslots)) + sel + (np.int32(k_cache.shape[0]),
-                                                          np.int32(k_cache.shape[1]))
-    # direct pieces need nothing of the plan: beside it in the graph (one piece writes out: after)
-    with launch.after(before_plan if direct and nslots > 1 else None):
-        _launch_dynamic(k, (nwin, 1 if fused else nslots, hkv), k.threads, stream, cfg.smem_bytes,
-                        args)
+    _launch_dynamic(k, (nwin, 1 if fused else nslots, hkv), k.threads, stream, cfg.smem_bytes,
+                    args + (np.int32(fused), np.int32(nslots)))
     if nslots > 1 and not fused:
         km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct)
         km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
@@ -1437,8 +1389,7 @@ def _resource_cases():
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
-           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32, "
-           "int32[:, ::1], int32[::1], int32[::1], int32[:, ::1], int32, int32)")
+           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32)")
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True,
