@@ -31,7 +31,9 @@ with ``NUMQSA_GRAPH_LAUNCH=0``); in the numba CUDA simulator (no driver) it rebu
 calls the dispatcher, as it does on a GPU when ``NUMQSA_PREPARED_LAUNCH=0`` (for comparisons) or when
 an argument kind is not understood. A graph launch runs the same kernels with the same parameters as
 the direct launches (same bits); launches of one program on two streams are ordered one after the
-other (one graph executable per program).
+other (one graph executable per program). The graph is the chain of the launches, except that a
+launch recorded inside :func:`after` waits for one earlier record only (the attention stage's
+generic kernel waits for the page-4 plan, beside the grouped kernels, whose rows it does not write).
 
 A program belongs to the device it was prepared on: its kernel handles come from numba's per-device
 module cache (``CodeLibrary.get_cufunc`` loads a kernel into the current context, once per device)
