@@ -51,7 +51,8 @@ import numpy as np
 
 from .jit import SIMULATOR
 
-__all__ = ["Record", "launch", "recording", "mark", "after", "Program", "array_span"]
+__all__ = ["Record", "launch", "recording", "mark", "after", "graph_dependencies", "Program",
+           "array_span"]
 
 _state = threading.local()
 
@@ -95,6 +96,17 @@ def after(index):
         yield
     finally:
         _state.after = None
+
+
+def graph_dependencies(records):
+    """Per record, the indices of the records it waits for in the replay graph: its ``after``, else
+    every earlier one nothing waits for yet (a chain, unless a launch branched off)."""
+    deps_all, sinks = [], []
+    for i, rec in enumerate(records):
+        deps = list(sinks) if rec.after is None else [rec.after]
+        sinks = [x for x in sinks if x not in deps] + [i]
+        deps_all.append(deps)
+    return deps_all
 
 
 def launch(kernel, grid, block, stream, args, smem=0):
@@ -337,18 +349,16 @@ class Program:
     # -- GPU: the launches as one graph ---------------------------------------------------------
     def _build_graph(self):
         """One CUDA graph of the launches, instantiated; its nodes' parameters are copies of the
-        parameter buffer as it is now. A launch waits for its record's ``after`` (:func:`after`),
-        else for every earlier one nothing waits for yet (a chain, unless a launch branched off).
-        (Programmatic edges into kernels that began with ``griddepcontrol.wait`` were measured in
-        session 13: one row's attention chain took 25.2 us with them, 20.8 without.)"""
+        parameter buffer as it is now, its edges :func:`graph_dependencies`. (Programmatic edges
+        into kernels that began with ``griddepcontrol.wait`` were measured in session 13: one
+        row's attention chain took 25.2 us with them, 20.8 without.)"""
         cu = self._cu
         err, graph = cu.cuGraphCreate(0)
         self._check(err, "cuGraphCreate")
         try:
-            nodes, sinks = [], []
-            for i, ((fn, g, b, smem, params), rec) in enumerate(zip(self._launches, self.records)):
-                deps = list(sinks) if rec.after is None else [rec.after]
-                sinks = [x for x in sinks if x not in deps] + [i]
+            nodes = []
+            for (fn, g, b, smem, params), deps in zip(self._launches,
+                                                      graph_dependencies(self.records)):
                 prev = [nodes[x][0] for x in deps]
                 node_params = cu.CUDA_KERNEL_NODE_PARAMS()
                 node_params.kern = cu.CUkernel(int(fn))    # numba-cuda loads libraries: CUkernel

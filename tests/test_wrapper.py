@@ -57,6 +57,25 @@ def test_select_and_attention_alone(seed, api_attention):
     assert_prefill_matches_oracle(p, out, lse, tokens, counts, Kb=5)
 
 
+def test_graph_branch_generic_waits_for_the_plan_only(seed):
+    """The replay graph's edges: the generic kernel (the plan's inert and empty rows) waits for the
+    page-4 plan only, beside the grouped kernels, which leave those rows to it; every other launch
+    waits for the one before it."""
+    from numqsa.launch import graph_dependencies
+    p = problem(seed)
+    w = numqsa.QSAPrefillWrapper(Kb=5, **GEOM).plan(*meta(p))
+    w.run(*layer(p))
+    prog = next(iter(w._programs.values()))
+    names = [getattr(r.kernel, "py_func", getattr(r.kernel, "fn", None)).__name__
+             for r in prog.records]
+    deps = graph_dependencies(prog.records)
+    plan = names.index("plan")
+    gen = [i for i, n in enumerate(names) if n.startswith("sparse_attention")]
+    assert len(gen) == 1 and deps[gen[0]] == [plan], (names, deps)
+    assert any(n.startswith("grouped_attn") for n in names[plan + 1:gen[0]]), names
+    assert all(deps[i] == [i - 1] for i in range(1, len(names)) if i != gen[0]), (names, deps)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
 def test_prepared_launches_follow_new_arrays(seed, layout):
     """Layer 2's arrays live elsewhere: one program, re-pointed, gives layer 2's own result."""
