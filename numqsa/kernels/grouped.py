@@ -797,6 +797,25 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                       mkd)
 
     @device_jit(forceinline=True)
+    def load_q(qf, qw, qs0, qs1, row, h0, g, t, ok):
+        """The lane's Q^T fragments: head ``h0 + g``, dims ``8 ks + 4 jj + t`` (words), zeros
+        where not ``ok`` (lanes past the heads, rows without work)."""
+        for ks in range(NKS):
+            for jj in range(2):
+                wq = U0
+                if ok:
+                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
+                                   + int32(t)])
+                qf[2 * ks + jj] = wq
+
+    @device_jit(forceinline=True)
+    def init_ring(bar, tid):
+        """The ring's mbarriers (then a block barrier before their first use)."""
+        if tid < UNB:
+            mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
+            mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
+
+    @device_jit(forceinline=True)
     def o_dim(d0, g, mt, i):
         """The dim of O^T accumulator ``4 * mt + i`` of a lane in row group ``g`` (its head is
         ``2 * (lane & 3) + (i & 1)``): the m16n8 accumulator layout, m-tile ``mt``."""
@@ -983,16 +1002,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if DIRECT:
             # q and the barriers first (inputs and shared memory only): q's loads in flight
             # beside those of the plan's outputs
-            for ks in range(NKS):
-                for jj in range(2):
-                    wq = U0
-                    if live and g < nh:
-                        wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
-                                       + int32(t)])
-                    qf[2 * ks + jj] = wq
-            if tid < uint32(NB):
-                mbar_init(bar, tid, 32 * NPW)
-                mbar_init(bar, tid + UNB, 32 * NCW)
+            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh)
+            init_ring(bar, tid)
         nv = int32(0)
         tl = int32(0)
         if live:
@@ -1014,20 +1025,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             p_hi = int32(nspans)
 
         if not DIRECT:
-            for ks in range(NKS):
-                for jj in range(2):
-                    wq = U0
-                    if live and p_lo < npc and g < nh:
-                        wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
-                                       + int32(t)])
-                    qf[2 * ks + jj] = wq
+            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and p_lo < npc and g < nh)
         oacc = cuda.local.array(NOA, float32)
         ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
         sb = shared_base(dyn)
         obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
-        if tid < uint32(NB) and not DIRECT:
-            mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
-            mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
+        if not DIRECT:
+            init_ring(bar, tid)
 
         gs0 = int32(0)                 # stages streamed by earlier phases and spans
         for span_ in range(p_lo, p_hi):
