@@ -146,6 +146,30 @@ def test_grouped_direct_windows_hand_made_rows(rng, monkeypatch):
     check(p, tokens, counts, out, lse)
 
 
+@pytest.mark.parametrize("hq,d", [(6, 64), (12, 64), (3, 32)])
+def test_grouped_direct_d_split(rng, monkeypatch, hq, d):
+    """Direct blocks put a head tile on 1, 2 or 4 warps (``dsplit``): each warp a share of O's dims
+    and of S^T's accumulation chains (a parity; a parity of one half), exchanged through shared
+    memory every chunk. The bits are those of one warp and of two-row union windows; rows of one
+    to three pieces, tails of 0-3 tokens, an inert row, two requests, against the oracle."""
+    p = small_problem(rng, [120, 40], None, positions=[32, 65, 50, -3, 39, 98],
+                      req_ids=[0, 0, 3, 0, 1, 0], Hq=hq, D=d)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=26)
+    results = []
+    splits = (1, 2, 4) if d // 16 % 4 == 0 else (1, 2)
+    for ds in splits:
+        monkeypatch.setitem(grouped.TUNING, "ds", ds)
+        _launch_shape(monkeypatch, 1)
+        results.append(run_attention(p, tokens, counts, "page4"))
+    monkeypatch.delitem(grouped.TUNING, "ds")
+    _launch_shape(monkeypatch, 2)
+    results.append(run_attention(p, tokens, counts, "page4"))
+    check(p, tokens, counts, *results[0])
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
 def test_window_plan_marks_solo_rows_and_pieces(rng):
     """Random (low-overlap) selections spread chunks over more stages than the ring keeps: such rows
     are solo; rows of more than one piece are merged. The union holds each group once."""

@@ -41,6 +41,10 @@ SLOW = {
     "test_bf16.py::test_generic_bf16[sm_70-float32]":
         "test_generic_bf16[sm_90-float32]: the same kernel",
     # -- attention, page-4 route (m8n8k4 page-4 kernel on sm_70, grouped kernel on sm_90) ---------
+    **{f"test_grouped.py::test_grouped_direct_d_split[{c}]":
+       "test_grouped_direct_d_split[6-64]: direct blocks on 1, 2 and 4 warps a head tile, against "
+       "each other, union windows and the oracle (here: two head tiles; D 32, whose two k-steps "
+       "allow no split past a parity)" for c in ("12-64", "3-32")},
     f"{_P4}[sm_70-random]":
         "test_page4_layouts_heads[sm_70-interleaved-64-12-1] and test_page4_long_context_sparse"
         "[sm_70] (the page-4 kernel on independent and overlapping selections)",

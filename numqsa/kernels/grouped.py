@@ -498,9 +498,10 @@ def _out_conv(out_kind):
 @functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
                         producers=PRODUCERS, sm90=False, slot_strides=None, direct=False, span=None,
-                        parts=True, empty_rows=True):
+                        parts=True, empty_rows=True, dsplit=None):
     """Grid ``(windows, spans, Hkv)`` (direct: ``(rows, pieces, Hkv)``), block ``32 * (rows_per_window
-    * HT * DS + producers)`` threads (``DS`` = 2 warps a head tile in direct blocks, else 1),
+    * HT * DS + producers)`` threads (``DS`` warps a head tile in direct blocks: 4 at one head
+    tile, 2 at two, ``dsplit`` if given; else 1),
     dynamic shared memory ``GroupedConfig.smem_bytes``. ``piece`` and ``span``: the arithmetic's
     (module docstring); ``parts``: rows can have several spans (direct: pieces), so every row leaves
     its partials for the fold. ``dtype`` "f16"/"bf16" (q, K, V);
@@ -510,8 +511,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     offsets from one address; default: contiguous ``[pages, page_size, 1, d]``). ``direct``
     (one-row windows over the page-4 plan kernel's own plan): no window plan ran; the block streams
     its row's pages of one piece in order, as a solo phase does (``wunion``, ``wmeta`` and ``ownu``
-    are not read), each head tile on two warps (the same ``S^T`` and softmax step, each half of
-    O^T's m-tiles: the dims of O are independent sums, so the bits of one warp).
+    are not read), each head tile on ``DS`` warps: each its share of O^T's m-tiles (the dims of O
+    are independent sums) and of S^T's accumulation chains, which the warps exchange through
+    shared memory every chunk (``qk_split``); every warp then runs the same softmax step on the
+    same scores: the bits of one warp.
     ``empty_rows``: rows without pages (``num_vpages = 0``) get ``out = 0``, ``lse = -inf``; else
     they are left to another kernel (the generic one, beside this one in the graph) and only rows
     the window plan found malformed are written so.
@@ -540,13 +543,23 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     HT = -(-HG // HEAD_TILE)
     HH = -(-HG // HT)
     NKS = D // 16                      # k-steps of S^T, m-tiles of O^T
-    # direct: a row's (head tile) work on DS warps, each computing the same S^T and softmax and
-    # its own 1/DS of O^T's m-tiles (the dims of O are independent sums: the same bits)
-    DS = 2 if DIRECT and NKS % 2 == 0 else 1
+    # direct: a row's (head tile) work on DS warps, each its 1/DS of O^T's m-tiles (the dims of O
+    # are independent sums) and a share of S^T's four accumulation chains (two halves of 16
+    # tokens, even and odd k-steps: DS 2 a parity, DS 4 one chain), exchanged through shared
+    # memory; each warp then forms the same S^T and softmax step from the same four chains: the
+    # bits of one warp
+    DS = 1
+    if DIRECT:
+        DS = 4 if NKS % 4 == 0 and HT == 1 else (2 if NKS % 2 == 0 else 1)
+        if dsplit is not None:
+            DS = int(dsplit)
+    if DS not in (1, 2, 4) or NKS % DS or (DS > 1 and not DIRECT):
+        raise ValueError(f"D split {DS} needs direct blocks and {DS} dividing D / 16 = {NKS}")
+    QST = 2 if DS > 1 else 1           # k-step stride of a warp's chains (a parity each)
     NCW = G * HT * DS                  # consumer warps: (row, D part, head tile)
     NW = NCW + NPW
     NT = 32 * NW
-    NQF = 2 * NKS                      # Q^T fragment words per lane
+    NQF = 2 * NKS // QST               # Q^T fragment words per lane (its parity's k-steps)
     NMT = NKS // DS                    # O^T m-tiles of one warp
     NOA = 4 * NMT                      # O^T accumulators per lane
     FQ = 4 if NMT % 4 == 0 else 1      # fold_out: parts of O^T's m-tiles folded in turn
@@ -568,12 +581,14 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     UCAP = G * OWNMAX                  # union entries of one span, at most (launch_grouped's cap)
     # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
     # load there stalls on long scoreboard), when they fit beside the ring
+    XSH = (HT, 2, 4, 4, 32) if DS > 1 else (1, 1, 1, 1, 1)   # S^T exchange: (tile, buffer, chain,
+    #                                                          word, lane), float32
     STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
-               <= SMEM_BLOCK_MAX)
+               + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
     UNB = uint32(NB)
-    NBAR = 2 * NB
+    NBAR = 2 * NB + (HT if DS > 1 else 0)   # full, empty; the head tiles' S^T exchanges
     F0, F1 = float32(0), float32(1)
     mma = mma_m16n8k16_bf16 if dtype == "bf16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bf16" else pack_f16x2
@@ -676,6 +691,75 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     pv_full, pv_masked = make_pv(False), make_pv(True)
 
+    Z4 = (F0, F0, F0, F0)
+
+    @device_jit(forceinline=True)
+    def qk_warp(dyn, kh0, kh1, qf, scr, lane, dh, xch, bar, xbi, nc):
+        """S^T's four accumulation chains on one warp: the first half's (tokens 0-15 of the chunk,
+        K rows from ``kh0``) over the even and the odd k-steps, the second half's (``kh1``)."""
+        xa = Z4
+        xb = Z4
+        ya = Z4
+        yb = Z4
+        for ks in range(NKS):
+            a = ldmatrix_x4(dyn, uint32(kh0 + uint32(32 * ks)), scr, lane)
+            e = ldmatrix_x4(dyn, uint32(kh1 + uint32(32 * ks)), scr, lane)
+            b = (qf[2 * ks], qf[2 * ks + 1])
+            if ks % 2 == 0:
+                xa = mma(a, b, xa, scr, lane)
+                ya = mma(e, b, ya, scr, lane)
+            else:
+                xb = mma(a, b, xb, scr, lane)
+                yb = mma(e, b, yb, scr, lane)
+        return xa, xb, ya, yb
+
+    @device_jit(forceinline=True)
+    def chain(dyn, kb, qf, scr, lane):
+        """One accumulation chain: a half's K rows from ``kb`` (its parity's first k-step) against
+        the warp's Q^T fragments, every second k-step in order."""
+        c = Z4
+        for i in range(NKS // 2):
+            c = mma(ldmatrix_x4(dyn, uint32(kb + uint32(64 * i)), scr, lane),
+                    (qf[2 * i], qf[2 * i + 1]), c, scr, lane)
+        return c
+
+    @device_jit(forceinline=True)
+    def put(xch, buf, ch, lane, c):
+        for r in range(4):
+            xch[buf, ch, r, lane] = c[r]
+
+    @device_jit(forceinline=True)
+    def take(xch, buf, ch, lane):
+        return (xch[buf, ch, 0, lane], xch[buf, ch, 1, lane], xch[buf, ch, 2, lane],
+                xch[buf, ch, 3, lane])
+
+    @device_jit(forceinline=True)
+    def qk_split(dyn, kh0, kh1, qf, scr, lane, dh, xch, bar, xbi, nc):
+        """The same four chains over the head tile's ``DS`` warps: warp ``dh`` runs the k-steps of
+        parity ``dh & 1``, of both halves (DS 2) or of half ``dh >> 1`` (DS 4), and leaves its
+        chains in buffer ``nc & 1`` of ``xch`` (chain ``2 * half + parity``); after every warp's
+        arrival on ``bar[xbi]`` (phase ``nc``) each reads all four. Two buffers: a warp writes
+        buffer ``b`` again two chunks later, past the next phase, which every warp completes only
+        after its reads of this one."""
+        pr = dh & U1
+        buf = uint32(nc) & U1
+        off = uint32(32) * pr
+        if DS == 4:
+            hx = dh >> U1
+            kb = kh0
+            if hx != U0:
+                kb = kh1
+            put(xch, buf, U2 * hx + pr, lane, chain(dyn, uint32(kb + off), qf, scr, lane))
+        else:
+            put(xch, buf, pr, lane, chain(dyn, uint32(kh0 + off), qf, scr, lane))
+            put(xch, buf, U2 + pr, lane, chain(dyn, uint32(kh1 + off), qf, scr, lane))
+        mbar_arrive(bar, xbi)
+        wait_phase(bar, xbi, buf)
+        return take(xch, buf, 0, lane), take(xch, buf, 1, lane), take(xch, buf, 2, lane), \
+            take(xch, buf, 3, lane)
+
+    qk = qk_warp if DS == 1 else qk_split
+
     @device_jit(forceinline=True)
     def row_addr(kk, kl, kstart, tr, solo_phase, sown, obase, ubase):
         """Word offset in the K region of token row ``tr & 3`` of own page ``min(kk, kl)``."""
@@ -684,10 +768,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     @device_jit(forceinline=True)
     def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, obase, ubase,
-              scale, dcol):
+              scale, dcol, dh, xch, bar, xbi, nc):
         """One chunk (own pages k0 .. k0+7: two halves of 16 tokens): online-softmax update of
         ``oacc`` and ``ml``. The halves' products are independent chains; one max, one rescale.
-        ``dcol``: bytes into a V row of the warp's first O^T m-tile (its D part)."""
+        ``dcol``: bytes into a V row of the warp's first O^T m-tile (its D part); ``dh``, ``xch``,
+        ``xbi``, ``nc``: the warp's D part, its head tile's exchange of S^T's chains and their
+        mbarrier ``bar[xbi]``, the block's chunk count so far (``qk``)."""
         g = lane >> U2
         t = lane & U3
         # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
@@ -707,24 +793,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                                         ubase))
         hik = lane >> U4
         hiv = (lane >> U3) & U1
-        xa = (F0, F0, F0, F0)          # first half: chains of the even and odd k-steps
-        xb = (F0, F0, F0, F0)
-        ya = (F0, F0, F0, F0)          # second half
-        yb = (F0, F0, F0, F0)
         # the lane's column added once: each k-step's offset is then an immediate of its ldmatrix
         # (session 11's SASS: 48 register adds a chunk, the offsets held in registers across chunks)
         kh0 = uint32(kbase0 + uint32(16) * hik)
         kh1 = uint32(kbase1 + uint32(16) * hik)
-        for ks in range(NKS):
-            a = ldmatrix_x4(dyn, uint32(kh0 + uint32(32 * ks)), scr, lane)
-            e = ldmatrix_x4(dyn, uint32(kh1 + uint32(32 * ks)), scr, lane)
-            b = (qf[2 * ks], qf[2 * ks + 1])
-            if ks % 2 == 0:
-                xa = mma(a, b, xa, scr, lane)
-                ya = mma(e, b, ya, scr, lane)
-            else:
-                xb = mma(a, b, xb, scr, lane)
-                yb = mma(e, b, yb, scr, lane)
+        xa, xb, ya, yb = qk(dyn, kh0, kh1, qf, scr, lane, dh, xch, bar, xbi, nc)
         gp = int32(g >> U2)
         la = _page_len(int32(k0 + gp), k1, nv, tl)
         lb = _page_len(int32(k0 + int32(2) + gp), k1, nv, tl)
@@ -797,16 +870,17 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                       mkd)
 
     @device_jit(forceinline=True)
-    def load_q(qf, qw, qs0, qs1, row, h0, g, t, ok):
-        """The lane's Q^T fragments: head ``h0 + g``, dims ``8 ks + 4 jj + t`` (words), zeros
-        where not ``ok`` (lanes past the heads, rows without work)."""
-        for ks in range(NKS):
+    def load_q(qf, qw, qs0, qs1, row, h0, g, t, ok, pr):
+        """The lane's Q^T fragments: head ``h0 + g``, dims ``8 ks + 4 jj + t`` (words) of its
+        k-steps ``ks`` (every one; in a D split those of parity ``pr``), zeros where not ``ok``
+        (lanes past the heads, rows without work)."""
+        for i in range(NKS // QST):
             for jj in range(2):
                 wq = U0
                 if ok:
-                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * ks + 4 * jj)
-                                   + int32(t)])
-                qf[2 * ks + jj] = wq
+                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * QST * i + 4 * jj)
+                                   + int32(8) * int32(pr) + int32(t)])
+                qf[2 * i + jj] = wq
 
     @device_jit(forceinline=True)
     def init_ring(bar, tid):
@@ -814,6 +888,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if tid < UNB:
             mbar_init(bar, tid, 32 * NPW)              # full: every producer lane's copies
             mbar_init(bar, tid + UNB, 32 * NCW)        # empty: every consumer lane
+        if DS > 1 and tid < uint32(HT):
+            mbar_init(bar, tid + U2 * UNB, 32 * DS)    # S^T's exchange: a head tile's lanes
 
     @device_jit(forceinline=True)
     def o_dim(d0, g, mt, i):
@@ -975,7 +1051,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
                windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans):
         dyn = cuda.shared.array(0, uint32)
-        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1]
+        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1], exchanges
+        xall = cuda.shared.array(XSH, float32)
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
         sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
         su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
@@ -1002,7 +1079,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if DIRECT:
             # q and the barriers first (inputs and shared memory only): q's loads in flight
             # beside those of the plan's outputs
-            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh)
+            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
             init_ring(bar, tid)
         nv = int32(0)
         tl = int32(0)
@@ -1025,7 +1102,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             p_hi = int32(nspans)
 
         if not DIRECT:
-            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and p_lo < npc and g < nh)
+            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and p_lo < npc and g < nh, U0)
         oacc = cuda.local.array(NOA, float32)
         ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
         sb = shared_base(dyn)
@@ -1034,6 +1111,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             init_ring(bar, tid)
 
         gs0 = int32(0)                 # stages streamed by earlier phases and spans
+        nc = int32(0)                  # chunks run so far (the S^T exchange's phase)
+        xch = xall[min(ht, uint32(XSH[0] - 1))]
         for span_ in range(p_lo, p_hi):
             writer = live and span_ < npc
             kstart, kend = _piece_range(nv, span_, PC)
@@ -1129,8 +1208,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                                 waited = hi
                             chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, k1, nv, tl,
                                   ph > 0 or DIRECT, sown, obase, int32(gs0 * int32(SP)), scale,
-                                  uint32(2) * d0)
+                                  uint32(2) * d0, dh, xch, bar, uint32(2 * NB) + ht, nc)
                             c = int32(c + int32(CHUNK))
+                            nc = int32(nc + int32(1))
                         # direct: the block's one piece, in slot ``pi`` for the merge kernel;
                         # else the span's state, folded in slot ``span_``
                         if DIRECT:
@@ -1303,7 +1383,7 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     ob = bits16(out)
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
                             dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])), direct,
-                            span, nslots > 1, empty_rows)
+                            span, nslots > 1, empty_rows, TUNING.get("ds") if direct else None)
     # a row's partials, or (a span of several pieces) the state of its span's fold
     held = rows if npieces > 1 else 1
     part_o = buffers("grouped.part_o", (held, hq, nslots, d), np.float32)
@@ -1399,8 +1479,8 @@ def _resource_cases():
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True,
                                 span=SPAN, empty_rows=False)
         cases.append((f"grouped_attn_g{hg}", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
-    # one-row windows (1-16 rows x 32K): no window plan, a block per piece, O's dims over two warps
-    # a head tile, a ring of DIRECT_STAGES (two blocks an SM)
+    # one-row windows (1-64 rows x 32K): no window plan, a block per piece, a head tile over four
+    # warps (O's dims and S^T's chains), a ring of DIRECT_STAGES (two blocks an SM)
     cfg = GroupedConfig(256, 6, DIRECT_STAGES, 8, 1, 256)
     k = make_grouped_kernel(256, 6, DIRECT_STAGES, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True,
                             empty_rows=False)
