@@ -38,7 +38,8 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 step "main job" main.log 45 python3 -m numqsa
 if command -v compute-sanitizer >/dev/null; then
-    step "compute-sanitizer (bench/sanitize.py)" sanitizer.log 120 python3 bench/sanitize.py --out "$LOG/sanitize" --quick-racecheck
+    # 129 s at b5eb02e (racecheck at 12/1 only; 6/1 joined it since)
+    step "compute-sanitizer (bench/sanitize.py)" sanitizer.log 240 python3 bench/sanitize.py --out "$LOG/sanitize" --quick-racecheck
 fi
 if [ $BENCH = 1 ]; then
     step "bench (bench/run.py)" bench.log 420 python3 bench/run.py --out "$OUT"

@@ -12,7 +12,8 @@ them as initialised: a kernel reading an output it did not write would still fai
 
 ``--routes`` (or ``NUMQSA_SANITIZE_ROUTES``) lists the ``route_name`` values of
 ``numqsa.sparse_attention`` to cover: a new attention kernel is covered by adding its name.
-``--quick`` keeps only the 12/1 geometry (the one whose tile shrinks) for racecheck's slow runs.
+``--quick`` keeps the 6/1 and 12/1 geometries for racecheck's slow runs: 12/1's tile shrinks, and
+the direct blocks split a head tile over four warps at 6/1 and over two at 12/1 (their S^T exchange).
 Prints one line per case and ``cases: N ok``; exits 1 on the first mismatch.
 """
 import argparse
@@ -134,7 +135,7 @@ def run(arch, routes, quick, seed=7):
         ok(f"{name} select (scores, top-k, expand)")
         tok_h, cnt_h = tokens.copy_to_host(), counts.copy_to_host()
         # attention: every route at every geometry, float16; float32 on the generic route
-        for hq, hkv in ([(12, 1)] if quick else GEOMETRIES):
+        for hq, hkv in ([(6, 1), (12, 1)] if quick else GEOMETRIES):
             pa = make(spec, s + hq, hq=hq, hkv=hkv)
             num_pages, ps = pa["k_cache"].shape[:2]
             numqsa.page4_plan(tokens, counts, to_device(pa["block_table"]), d[3], d[5],
