@@ -7,6 +7,9 @@ the bits: e.g. ``ds=1;ds=2;ds=4``), each checked bitwise against the first.
 
 GPU-only ms (CUDA events around one graph launch queued behind a spin kernel, median of
 ``--iters``). Rows as ``bench_attention.make_workload`` (page 64 in random order, Hq 6 / D 256).
+With ``--floor`` each variant's line is followed by the same graph prefixes of empty kernels of
+the recorded grids and blocks (the graph edges as recorded): what a node costs here before it does
+any work.
 """
 import argparse
 import os
@@ -24,6 +27,7 @@ def main():
     ap.add_argument("--cases", default="1x32K,16x32K")
     ap.add_argument("--tune", default="")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--floor", action="store_true", help="also time empty kernels of the same grids")
     args = ap.parse_args()
     from numba import cuda
 
@@ -34,6 +38,21 @@ def main():
     from numqsa.kernels import grouped
     from numqsa.stages.attention import attention_launch
     spin = spin_kernel()
+
+    @cuda.jit
+    def empty():
+        pass
+
+    def prefixes(records, full=None):
+        """Median GPU ms of the graphs of the first 1, 2, ... records (edges as recorded)."""
+        times = []
+        for k in range(1, len(records) + 1):
+            sub = [launch.Record(r.kernel, r.grid, r.block, r.smem, r.args, r.callbacks, r.config,
+                                 r.after if (r.after is None or r.after < k) else None)
+                   for r in records[:k]]
+            prog = full if (full is not None and k == len(records)) else launch.Program(sub, [])
+            times.append(gpu_time(lambda: prog([], 0), args.iters, spin))
+        return times
     variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv)
                 for v in args.tune.split(";")] if args.tune else [{}]
     print(f"{'case':>8} {'variant':>8} {'prefix ms (graph of the first k launches)':>44}  bitwise")
@@ -62,16 +81,20 @@ def main():
             got = out.copy_to_host()
             same = ref is None or np.array_equal(got, ref, equal_nan=True)
             ref = got if ref is None else ref
-            times = []
-            for k in range(1, len(records) + 1):
-                sub = [launch.Record(r.kernel, r.grid, r.block, r.smem, r.args, r.callbacks, r.config,
-                                     r.after if (r.after is None or r.after < k) else None)
-                       for r in records[:k]]
-                prog = full if k == len(records) else launch.Program(sub, [])
-                times.append(gpu_time(lambda: prog([], 0), args.iters, spin))
+            times = prefixes(records, full)
             tag = ",".join(f"{a}={b}" for a, b in tune.items()) or "default"
             print(f"{case:>8} {tag:>8} " + " ".join(f"{n}:{t * 1e3:6.1f}us" for n, t in
                                                       zip(names, times)) + f"  {same}", flush=True)
+            if args.floor:
+                empty[1, 32]()                     # compiled before it is recorded
+                cuda.synchronize()
+                with launch.recording() as blanks:
+                    for r in records:
+                        with launch.after(r.after):
+                            empty[r.grid, r.block, 0, 0]()
+                times = prefixes(blanks)
+                print(f"{case:>8} {'empty':>8} " + " ".join(f"{n}:{t * 1e3:6.1f}us" for n, t in
+                                                           zip(names, times)), flush=True)
     grouped.TUNING.clear()
 
 
