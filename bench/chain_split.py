@@ -27,7 +27,8 @@ def main():
     ap.add_argument("--cases", default="1x32K,16x32K")
     ap.add_argument("--tune", default="")
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--floor", action="store_true", help="also time empty kernels of the same grids")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time empty kernels of the same grids")
     args = ap.parse_args()
     from numba import cuda
 
@@ -73,8 +74,8 @@ def main():
                 attention_launch(dv["q"], dv["k_cache"], dv["v_cache"], dv["block_table"], tok, cnt,
                                  dv["req_ids"], dv["seq_lens"], route_name="page4",
                                  out=(out, lse), workspace=ws, validate=False)
-            names = [getattr(r.kernel, "__name__", None) or r.kernel.py_func.__name__ for r in records]
-            names = [n.replace("grouped_", "").split("_d256")[0][:12] for n in names]
+            names = [(getattr(r.kernel, "__name__", None) or r.kernel.py_func.__name__)
+                     .replace("grouped_", "").split("_d256")[0][:12] for r in records]
             full = launch.Program(records, [])
             full([], 0)
             cuda.synchronize()
