@@ -12,6 +12,7 @@ the recorded grids and blocks (the graph edges as recorded): what a node costs h
 any work.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -48,9 +49,8 @@ def main():
         """Median GPU ms of the graphs of the first 1, 2, ... records (edges as recorded)."""
         times = []
         for k in range(1, len(records) + 1):
-            sub = [launch.Record(r.kernel, r.grid, r.block, r.smem, r.args, r.callbacks, r.config,
-                                 r.after if (r.after is None or r.after < k) else None)
-                   for r in records[:k]]
+            sub = [dataclasses.replace(r, after=r.after if (r.after is None or r.after < k)
+                                       else None) for r in records[:k]]
             prog = full if (full is not None and k == len(records)) else launch.Program(sub, [])
             times.append(gpu_time(lambda: prog([], 0), args.iters, spin))
         return times
