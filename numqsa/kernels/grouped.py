@@ -583,6 +583,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     # load there stalls on long scoreboard), when they fit beside the ring
     XSH = (HT, 2, 4, 4, 32) if DS > 1 else (1, 1, 1, 1, 1)   # S^T exchange: (tile, buffer, chain,
     #                                                          word, lane), float32
+    NPF = -(-2 * UCAP // NT) if DIRECT else 1   # page-table words a thread prefetches (direct)
     STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
                + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
@@ -883,6 +884,18 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 qf[2 * i + jj] = wq
 
     @device_jit(forceinline=True)
+    def prefetch_pages(pre, pages, row, k0, tid):
+        """Words ``tid + NT i`` of the page table's entries ``k0 ..`` of ``row`` (within the
+        table), for the direct block's staging of its piece (``su``)."""
+        for i in range(NPF):
+            x = tid + uint32(i * NT)
+            e = int32(k0 + int32(x >> U1))
+            w = int32(-1)
+            if x < uint32(2 * UCAP) and e < int32(pages.shape[1]):
+                w = int32(pages[row, e, x & U1])
+            pre[i] = w
+
+    @device_jit(forceinline=True)
     def init_ring(bar, tid):
         """The ring's mbarriers (then a block barrier before their first use)."""
         if tid < UNB:
@@ -1076,10 +1089,15 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         row = first + wslot
         live = wslot < cnt and not producer
         qf = cuda.local.array(NQF, uint32)
+        pre = cuda.local.array(NPF, int32)
         if DIRECT:
             # q and the barriers first (inputs and shared memory only): q's loads in flight
-            # beside those of the plan's outputs
+            # beside those of the plan's outputs; the piece's page ids (at most OWNMAX entries
+            # from its first, every one written by the plan) beside the row's page count, which
+            # says how many of them are the piece's
             load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
+            if STAGE_U:
+                prefetch_pages(pre, pages, first, int32(cuda.blockIdx.y) * int32(PA), tid)
             init_ring(bar, tid)
         nv = int32(0)
         tl = int32(0)
@@ -1127,8 +1145,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 for x in range(kstart + int32(lane), kend, int32(32)):
                     sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
             if STAGE_U and DIRECT:
-                for x in range(tid, uint32(2 * nstream0), UNT):
-                    su[x >> U1, x & U1] = pages[first, kstart + int32(x >> U1), x & U1]
+                for i in range(NPF):
+                    x = tid + uint32(i * NT)
+                    if x < uint32(2 * nstream0):
+                        su[x >> U1, x & U1] = pre[i]
             elif STAGE_U:
                 for x in range(tid, uint32(2 * nstream0), UNT):
                     su[x >> U1, x & U1] = wunion[win, span_, x >> U1, x & U1]
