@@ -7,7 +7,7 @@ whole matrix fits in a few minutes of H200 time. racecheck instruments every sha
 and is the slow one: ``--quick-racecheck`` limits it to the 6/1 and 12/1 geometries (12/1's tile
 shrinks; the direct blocks' S^T exchange runs over four warps at 6/1 and two at 12/1); on the
 H200 the whole matrix took 129 s of wall time at b5eb02e with 12/1 alone (racecheck 77 s on sm_90,
-memcheck 127 s). Writes ``<out>/summary.txt`` (the table), ``<out>/summary.json`` and
+memcheck 127 s) and 88 s at 033fdcc with both (racecheck 68 s, memcheck 87 s). Writes ``<out>/summary.txt`` (the table), ``<out>/summary.json`` and
 ``<out>/sanitize_logs.tgz`` (one log per pair).
 
     python3 bench/sanitize.py [--out DIR] [--tools memcheck,racecheck,...] [--arch sm_90,sm_70]
