@@ -30,6 +30,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 ARCHS = ("sm_90", "sm_70")
+# head geometries of a run (sanitize_cases.py's GEOMETRIES), and those --quick keeps
+GEOMETRIES = ("3/1", "6/1", "12/1", "24/2")
+QUICK = ("6/1", "12/1")
 
 
 def command(tool, arch, routes, quick):
@@ -70,9 +73,11 @@ def main():
                 path = os.path.join(a.from_logs, f"sanitize_{tool}_{arch}.log")
                 text = open(path).read() if os.path.exists(path) else ""
                 r = parse(text, 0 if text else "no log")
-                quick = re.search(r"attention \S+ (3/1|6/1|24/2)", text) is None
+                # a quick run's log names no geometry past QUICK
+                rest = "|".join(g for g in GEOMETRIES if g not in QUICK)
+                quick = re.search(rf"attention \S+ ({rest})\b", text) is None
                 r.update(tool=tool, arch=arch, seconds="-",
-                         geometries="6/1 12/1" if quick and text else "3/1 6/1 12/1 24/2")
+                         geometries=" ".join(QUICK if quick and text else GEOMETRIES))
                 rows.append(r)
         os.makedirs(a.out, exist_ok=True)
         return report(rows, routes, a.out, 0.0)
@@ -105,7 +110,7 @@ def main():
             text = f.read()
         r = parse(text, rc)
         r.update(tool=tool, arch=arch, seconds=round(end - start),
-                 geometries="6/1 12/1" if quick else "3/1 6/1 12/1 24/2")
+                 geometries=" ".join(QUICK if quick else GEOMETRIES))
         rows.append(r)
     # the device returns a few files only: the per-pair logs travel as one tarball
     with tarfile.open(os.path.join(a.out, "sanitize_logs.tgz"), "w:gz") as tar:
