@@ -73,18 +73,14 @@ def _grouped_ok(profile, q, k_cache, v_cache):
 
 
 def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse, od,
-                          profile, stream, r, bufs, empty_rows=True, selection=None,
-                          plan_record=None):
+                          profile, stream, r, bufs, empty_rows=True):
     """The grouped kernel of this device and layout over a page-4 plan. ``tokens`` (the selection
     the plan came from) lets windows of rows share loads; without it each row is its own window.
     ``empty_rows=False``: the tensor-core grouped kernel leaves rows without pages to the generic
-    kernel; returns whether it ran (the m8n8k4 page-4 kernel writes every row). ``selection``: the
-    plan's inputs, from which one-row windows plan their own pieces beside the plan (record
-    ``plan_record``)."""
+    kernel; returns whether it ran (the m8n8k4 page-4 kernel writes every row)."""
     if _grouped_ok(profile, q, k_cache, v_cache):
         _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
-                                profile, stream, bufs, empty_rows=empty_rows, selection=selection,
-                                plan_record=plan_record)
+                                profile, stream, bufs, empty_rows=empty_rows)
         return True
     else:
         keys = None if tokens is None else bufs("page4.keys", _page4.keys_shape(tokens, pages, r),
@@ -154,16 +150,10 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         pages, nv, tl = (int_buffer("page4.pages", (rows, kb + 1, 2)),
                          int_buffer("page4.num_vpages", (rows,)), int_buffer("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
-        # one-row windows of the grouped kernel plan their own pieces beside the plan
-        beside = (_grouped_ok(plan.profile, qd_, kc, vc)
-                  and _grouped.plans_own_pieces(d, hq // hkv, rows, kb + 1, hkv, plan.profile))
-        _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r,
-                           beside)
+        _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
         planned = launch.mark()
         grouped = _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od,
-                                        plan.profile, stream, r, bufs, empty_rows=False,
-                                        selection=(tok, cnt, tab, rid, lens, geometry),
-                                        plan_record=planned)
+                                        plan.profile, stream, r, bufs, empty_rows=False)
         # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
         # one; select() never makes such) left its row inert above: the generic kernel takes exactly
         # those rows (and the empty ones), so the route choice never changes which tokens a row
