@@ -45,6 +45,7 @@ except ImportError:                  # no bfloat16 cases without ml_dtypes
 
 R = 4
 GEOMETRIES = [(3, 1), (6, 1), (12, 1), (24, 2)]
+QUICK = [(6, 1), (12, 1)]           # --quick (bench/sanitize.py names both lists again, as text)
 DEFAULT_ROUTES = "generic,page4"
 
 
@@ -135,7 +136,7 @@ def run(arch, routes, quick, seed=7):
         ok(f"{name} select (scores, top-k, expand)")
         tok_h, cnt_h = tokens.copy_to_host(), counts.copy_to_host()
         # attention: every route at every geometry, float16; float32 on the generic route
-        for hq, hkv in ([(6, 1), (12, 1)] if quick else GEOMETRIES):
+        for hq, hkv in (QUICK if quick else GEOMETRIES):
             pa = make(spec, s + hq, hq=hq, hkv=hkv)
             num_pages, ps = pa["k_cache"].shape[:2]
             numqsa.page4_plan(tokens, counts, to_device(pa["block_table"]), d[3], d[5],
