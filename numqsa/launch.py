@@ -33,7 +33,9 @@ an argument kind is not understood. A graph launch runs the same kernels with th
 the direct launches (same bits); launches of one program on two streams are ordered one after the
 other (one graph executable per program). The graph is the chain of the launches, except that a
 launch recorded inside :func:`after` waits for one earlier record only (the attention stage's
-generic kernel waits for the page-4 plan, beside the grouped kernels, whose rows it does not write).
+generic kernel waits for the page-4 plan, beside the grouped kernels, whose rows it does not write,
+or for the direct blocks that planned their own pieces, beside their merge); :func:`programmatic`
+makes the edge into a launch leave its one dependency's programmatic port.
 
 A program belongs to the device it was prepared on: its kernel handles come from numba's per-device
 module cache (``CodeLibrary.get_cufunc`` loads a kernel into the current context, once per device)
@@ -51,8 +53,8 @@ import numpy as np
 
 from .jit import SIMULATOR
 
-__all__ = ["Record", "launch", "recording", "mark", "after", "graph_dependencies", "Program",
-           "array_span"]
+__all__ = ["Record", "launch", "recording", "mark", "after", "programmatic", "graph_dependencies",
+           "Program", "array_span"]
 
 _state = threading.local()
 
@@ -67,6 +69,7 @@ class Record:
     callbacks: tuple = ()   # numba pre-launch callbacks (e.g. the >48 KB shared-memory opt-in)
     config: object = None
     after: object = None    # the record this launch waits for (None: every one not yet waited for)
+    programmatic: bool = False   # the graph's edge into it is programmatic (:func:`programmatic`)
 
 
 def _recording():
@@ -77,6 +80,12 @@ def _take_after():
     a = getattr(_state, "after", None)
     _state.after = None
     return a
+
+
+def _take_programmatic():
+    p = bool(getattr(_state, "programmatic", False))
+    _state.programmatic = False
+    return p
 
 
 def mark():
@@ -96,6 +105,21 @@ def after(index):
         yield
     finally:
         _state.after = None
+
+
+@contextmanager
+def programmatic():
+    """The first launch recorded inside is a *programmatic* dependent of the one launch it waits
+    for: in the replay graph its edge leaves that kernel's programmatic port, so it launches once
+    every block of that kernel has issued ``griddepcontrol.launch_dependents`` (or exited), and it
+    must run ``griddepcontrol.wait`` (:func:`numqsa.kernels.smem.grid_dep_wait`) before reading
+    anything that kernel writes. Launched in stream order, the wait returns at once (sm_90+; the
+    launcher asks for it only there)."""
+    _state.programmatic = True
+    try:
+        yield
+    finally:
+        _state.programmatic = False
 
 
 def graph_dependencies(records):
@@ -135,7 +159,8 @@ def _install_hook():
             if records is None or self._device:
                 return original(self, *args)
             records.append(Record(self, _norm3(self.grid_dim), _norm3(self.block_dim),
-                                  int(self.dynshared_size or 0), args, after=_take_after()))
+                                  int(self.dynshared_size or 0), args, after=_take_after(),
+                                  programmatic=_take_programmatic()))
         FakeCUDAKernel.__call__ = call
     else:
         from numba.cuda.dispatcher import _LaunchConfiguration
@@ -147,7 +172,7 @@ def _install_hook():
                 return original(self, *args)
             records.append(Record(self.dispatcher, _norm3(self.griddim), _norm3(self.blockdim),
                                   int(self.sharedmem or 0), args, tuple(self.pre_launch_callbacks),
-                                  self, _take_after()))
+                                  self, _take_after(), _take_programmatic()))
         _LaunchConfiguration.__call__ = call
     _HOOKED.append(original)
 
@@ -349,17 +374,23 @@ class Program:
     # -- GPU: the launches as one graph ---------------------------------------------------------
     def _build_graph(self):
         """One CUDA graph of the launches, instantiated; its nodes' parameters are copies of the
-        parameter buffer as it is now, its edges :func:`graph_dependencies`. (Programmatic edges
-        into kernels that began with ``griddepcontrol.wait`` were measured in session 13: one
-        row's attention chain took 25.2 us with them, 20.8 without.)"""
+        parameter buffer as it is now, its edges :func:`graph_dependencies`; the edge into a
+        :func:`programmatic` launch from its one dependency leaves that kernel's programmatic port.
+        (Programmatic edges from port ``LAUNCH_ORDER`` into every kernel of the chain, each
+        beginning with ``griddepcontrol.wait``, were measured in session 13: one row's attention
+        chain took 25.2 us with them, 20.8 without.)"""
         cu = self._cu
         err, graph = cu.cuGraphCreate(0)
         self._check(err, "cuGraphCreate")
         try:
             nodes = []
-            for (fn, g, b, smem, params), deps in zip(self._launches,
-                                                      graph_dependencies(self.records)):
+            for (fn, g, b, smem, params), deps, rec in zip(self._launches,
+                                                           graph_dependencies(self.records),
+                                                           self.records):
                 prev = [nodes[x][0] for x in deps]
+                pdl = rec.programmatic and len(prev) == 1
+                if pdl:
+                    prev = []
                 node_params = cu.CUDA_KERNEL_NODE_PARAMS()
                 node_params.kern = cu.CUkernel(int(fn))    # numba-cuda loads libraries: CUkernel
                 node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = g
@@ -368,6 +399,8 @@ class Program:
                 node_params.kernelParams = params
                 err, node = cu.cuGraphAddKernelNode(graph, prev, len(prev), node_params)
                 self._check(err, "cuGraphAddKernelNode")
+                if pdl:
+                    self._programmatic_edge(graph, nodes[deps[0]][0], node)
                 nodes.append((node, node_params))
             err, exe = cu.cuGraphInstantiate(graph, 0)
             self._check(err, "cuGraphInstantiate")
@@ -376,6 +409,17 @@ class Program:
             raise
         self._graph_handle, self._exec = graph, exe
         self._nodes = [nodes[i] for i in self._patched_launches]
+
+    def _programmatic_edge(self, graph, src, dst):
+        """``src -> dst`` from ``src``'s programmatic port (``cuGraphAddDependencies_v2`` in CUDA 12,
+        whose edge data CUDA 13 moved into ``cuGraphAddDependencies``)."""
+        cu = self._cu
+        edge = cu.CUgraphEdgeData()
+        edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        add = getattr(cu, "cuGraphAddDependencies_v2", cu.cuGraphAddDependencies)
+        err, = add(graph, [src], [dst], [edge], 1)
+        self._check(err, "cuGraphAddDependencies")
 
     def _check(self, err, what):
         if err != self._ok:

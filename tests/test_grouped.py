@@ -139,11 +139,77 @@ def test_grouped_direct_windows_hand_made_rows(rng, monkeypatch):
     tokens[1, :n] = rng.permutation(int(p["positions"][1]) + 1)[:n]
     assert counts[3] >= 8
     tokens[3, 4:8] = np.minimum(tokens[3, 4:8] + 1, p["positions"][3])
+    # a row whose first piece is whole and whose second is not (its 10th page unaligned): the
+    # direct blocks that plan their own pieces see it only in the second
+    assert counts[4] >= 44
+    tokens[4, 36:40] += 1
     _launch_shape(monkeypatch, 1)
     plans = _window_plans(monkeypatch)
     out, lse = run_attention(p, tokens, counts, "page4")
     assert not plans
     check(p, tokens, counts, out, lse)
+
+
+def _direct_runs(rng, monkeypatch, key, values):
+    """One-row windows of one problem (rows of several pieces, an inert and a stale row, two
+    requests) with ``TUNING[key]`` set to each of ``values``: per value the result, the recorded
+    launches and their kernels' names. Every result is the first's, bitwise, and the first is the
+    oracle's."""
+    from numqsa import launch
+    p = small_problem(rng, [120, 40], None, positions=[32, 65, 50, -3, 39, 98],
+                      req_ids=[0, 0, 3, 0, 1, 0])
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=26)
+    _launch_shape(monkeypatch, 1)
+    runs = []
+    for v in values:
+        monkeypatch.setitem(grouped.TUNING, key, v)
+        result = run_attention(p, tokens, counts, "page4")
+        with launch.recording() as records:
+            run_attention(p, tokens, counts, "page4")
+        names = [r.kernel.py_func.__name__ if hasattr(r.kernel, "py_func") else r.kernel.fn.__name__
+                 for r in records]
+        runs.append((result, records, names))
+    check(p, tokens, counts, *runs[0][0])
+    for (out, lse), _, _ in runs[1:]:
+        np.testing.assert_array_equal(out, runs[0][0][0])
+        np.testing.assert_array_equal(lse, runs[0][0][1])
+    return runs
+
+
+def test_grouped_direct_blocks_plan_their_pieces(rng, monkeypatch):
+    """One-row windows plan their own pieces (``SELF_PLAN``): recorded, no page-4 plan runs, the
+    merge and the generic kernel both wait for the direct kernel alone (the generic one for its
+    verdicts); run, the bits are those of direct blocks over the plan's pages (``TUNING["self"] =
+    0``: the plan, then the direct blocks, the generic kernel after the plan), against the
+    oracle."""
+    from numqsa import launch
+    for own, (_, records, names) in zip((1, 0), _direct_runs(rng, monkeypatch, "self", (1, 0))):
+        deps = launch.graph_dependencies(records)
+        attn = [i for i, x in enumerate(names) if x.startswith("grouped_attn")]
+        assert len(attn) == 1 and ("_self" in names[attn[0]]) == bool(own)
+        assert ("plan" in names) != bool(own), names        # no page-4 plan before such blocks
+        merge, = [i for i, x in enumerate(names) if x.startswith("grouped_merge")]
+        generic, = [i for i, x in enumerate(names) if x not in ("plan", names[attn[0]], names[merge])]
+        assert deps[merge] == attn
+        # the generic kernel: after the plan, or after the blocks' verdicts (beside the merge)
+        assert deps[generic] == (attn if own else [names.index("plan")])
+
+
+def test_grouped_direct_programmatic_merge(rng, monkeypatch):
+    """Direct blocks with their merge launched programmatically (``TUNING["pdl"]`` 1 and 2: the
+    blocks trigger it early or after their stores): recorded, the merge is the one programmatic
+    launch and its one dependency is the attention kernel (the graph edge from its programmatic
+    port); run, the bits are those without (the merge's ``griddepcontrol.wait`` and the blocks'
+    trigger change no arithmetic)."""
+    from numqsa import launch
+    for pdl, (_, records, names) in zip((0, 1, 2), _direct_runs(rng, monkeypatch, "pdl", (0, 1, 2))):
+        marked = [i for i, r in enumerate(records) if r.programmatic]
+        if not pdl:
+            assert not marked
+            continue
+        assert len(marked) == 1 and names[marked[0]].startswith("grouped_merge"), names
+        deps = launch.graph_dependencies(records)[marked[0]]
+        assert [names[i] for i in deps] == [n for n in names if n.startswith("grouped_attn")]
 
 
 @pytest.mark.parametrize("hq,d", [(6, 64), (12, 64), (3, 32)])

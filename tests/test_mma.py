@@ -399,6 +399,26 @@ def test_ld_global_nc_v4(rng):
     np.testing.assert_array_equal(dst, src)
 
 
+@jit
+def _ex2_kernel(x, y):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        y[i] = mma.ex2_approx_ftz(x[i])
+
+
+def test_ex2_approx_ftz(rng):
+    """2^x within 2^-21 relative (PTX: 2^-22 for ex2.approx), 0 (not subnormal) below 2^-126 and
+    at -inf, inf from 128 on."""
+    x = np.concatenate([np.arange(-126, 128), [-126.5, -130.0, -149.0, -1e30, -np.inf, 128.5],
+                        rng.uniform(-125.0, 127.0, 400)]).astype(np.float32)
+    _, y = _launch(_ex2_kernel, 3, 256, x, np.full_like(x, np.nan))
+    want = np.exp2(x.astype(np.float64))
+    normal = (want >= 2.0 ** -126) & (want < 2.0 ** 128)
+    np.testing.assert_allclose(y[normal], want[normal], rtol=2.0 ** -21, atol=0)
+    assert np.all(y[want < 2.0 ** -126] == 0.0)
+    assert np.all(np.isposinf(y[want >= 2.0 ** 128]))
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the scratch is only used by the simulator stand-ins")
 def test_scratch_too_small_is_reported():
     @jit
@@ -467,6 +487,11 @@ def test_demo_gemm_gpu(rng, kind, m, k, n):
 @pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
 def test_m16n8k16_tiles_exact_gpu(rng, bf16):
     test_m16n8k16_tiles_exact(rng, 1000, 8, bf16)
+
+
+@pytest.mark.gpu
+def test_ex2_approx_ftz_gpu(rng):
+    test_ex2_approx_ftz(rng)
 
 
 @pytest.mark.gpu

@@ -98,7 +98,12 @@ def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=
         row = uint32(cuda.blockIdx.x)
         j = uint32(cuda.blockIdx.y)
         if row < uint32(skip.shape[0]):
-            if skip[row] > int32(0):       # already written by the page-4 route (block-uniform exit)
+            # already written by the page-4 route when every entry of the row is > 0 (block-uniform)
+            done = True
+            for c in range(skip.shape[1]):
+                if skip[row, c] <= int32(0):
+                    done = False
+            if done:
                 return
         num_pages = int32(k_cache.shape[0])
         page_size = int32(k_cache.shape[1])
@@ -252,13 +257,15 @@ def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
                      out, lse, profile, stream, skip=None):
     """Generic route on device arrays; ``out [rows, Hq, D]`` and ``lse [rows, Hq]`` float32 are written.
 
-    ``skip`` (int32 ``[rows]``, optional): rows with ``skip[i] > 0`` are left as they are (the page-4
-    route passes its plan's page counts, so only the rows it could not plan are computed here).
+    ``skip`` (int32 ``[rows, n]``, optional): rows whose ``n`` entries are all ``> 0`` are left as
+    they are (the page-4 route passes its plan's page counts, ``n = 1``, or the verdicts of direct
+    blocks that planned their own pieces, one a piece; so only the rows it could not plan are
+    computed here).
     """
     from .. import device as dev
     rows, hq, d = q.shape
     if skip is None:
-        skip = dev.constant(np.zeros(0, np.int32), stream)
+        skip = dev.constant(np.zeros((0, 1), np.int32), stream)
     hkv = k_cache.shape[2]
     if rows == 0:
         return out, lse
@@ -276,7 +283,7 @@ def _resource_cases():
         for hg in (6, 12):
             k = make_attention_kernel(256, hg, 128)
             sig = (f"void({dt}[:, :, :], {dt}[:, :, :, :], {dt}[:, :, :, :], int32[:, :], int32[:, :], "
-                   f"int32[:], int32[:], int32[:], float32, {dt}[:, :, :], float32[:, :], int32[:])")
+                   f"int32[:], int32[:], int32[:], float32, {dt}[:, :, :], float32[:, :], int32[:, :])")
             if dt == "float32" and hg == 12:
                 continue
             cases.append((f"attention_generic_{dt}_g{hg}", k, sig, 128, 0, None))
@@ -284,7 +291,7 @@ def _resource_cases():
         k = make_attention_kernel(256, hg, 128, True, True, True)
         sig = ("void(uint16[:, :, :], uint16[:, :, :, :], uint16[:, :, :, :], int32[:, :], "
                "int32[:, :], int32[:], int32[:], int32[:], float32, uint16[:, :, :], float32[:, :], "
-               "int32[:])")
+               "int32[:, :])")
         cases.append((f"attention_generic_bf16_g{hg}", k, sig, 128, 0, None))   # sm_70 too
     return cases
 

@@ -26,8 +26,10 @@ Kernels after the page-4 plan (:mod:`numqsa.kernels.page4`):
    warp's 8 KB). Solo rows are then streamed one at a time with their own pages only. In the
    *fused* schedule (many windows: ``FUSE_WAVES``) one block runs all of its window's spans in
    turn and folds each row's spans itself; else a block per (window, span) and the merge kernel.
-   *Direct* blocks (one-row windows over the page-4 plan kernel's own plan: few rows) stream one
-   piece of one row each, with no window plan: a row spreads over 16 blocks at Kb 512.
+   *Direct* blocks (one-row windows: few rows) stream one piece of one row each, with no window
+   plan: a row spreads over 16 blocks at Kb 512. Under :func:`numqsa.sparse_attention` they plan
+   their own pieces from the selection with the page-4 plan's checks, so no plan kernel runs
+   before them (:func:`plans_own_pieces`); their verdicts give the generic kernel its rows.
 3. **merge** (:func:`make_merge_kernel`): a row's spans (direct: its pieces, folded into spans
    first) in order.
 
@@ -45,6 +47,7 @@ Route: the attention of every row count on sm_80 and sm_90, for float16 and bflo
 ``NB`` is 6 on sm_90 and 4 on sm_80 (not measured on an A100). The versions, their times on the
 H200 and the counters that limit them: ``docs/kernels/grouped.md``.
 """
+import contextlib
 import functools
 import math
 
@@ -53,13 +56,15 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda.types import float16
 
 from ..jit import SIMULATOR, device_jit, jit
+from ..launch import after, mark, programmatic
 from .common import bits16, is_bf16
+from .page4 import make_plan_checks
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
-from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, ldmatrix_x4, ldmatrix_x4_trans,
-                   mbar_arrive, mbar_init, mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32,
-                   warp_any)
+from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, grid_dep_launch, grid_dep_wait,
+                   ldmatrix_x4, ldmatrix_x4_trans, mbar_arrive, mbar_init, mbar_test_wait,
+                   mbar_try_wait, movmatrix_trans, shfl_xor_f32, warp_any)
 
-__all__ = ["GroupedConfig", "grouped_config", "window_size", "takes_head_dim", "make_window_plan_kernel", "make_grouped_kernel",
+__all__ = ["GroupedConfig", "grouped_config", "plans_own_pieces", "window_size", "takes_head_dim", "make_window_plan_kernel", "make_grouped_kernel",
            "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
 
 #: No sm_70 build: cp.async and ldmatrix / movmatrix need sm_80 / sm_75; sm_70 runs the m8n8k4
@@ -85,8 +90,15 @@ if SIMULATOR:
     def fexp(x):
         return math.exp(x)
 else:
-    # ex2.approx of x * log2(e): ~2 ulp, against ~20 instructions and a branch for expf
-    from numba.cuda.libdevice import fast_expf as fexp
+    from .mma import ex2_approx_ftz
+    LOG2E = float32(math.log2(math.e))
+
+    @device_jit(forceinline=True)
+    def fexp(x):
+        """``ex2.approx.ftz`` of ``x * log2(e)``: ~2 ulp, against ~20 instructions and a branch for
+        ``expf``; libdevice's ``fast_expf`` (the same product) adds a subnormal range fix, 3 of the
+        5 instructions an exponential took in the chunk's SASS. A weight below 2^-126 is 0."""
+        return ex2_approx_ftz(x * LOG2E)
 
 
 class GroupedConfig:
@@ -123,6 +135,12 @@ class GroupedConfig:
 
 #: Benchmark-only overrides of :func:`grouped_config`'s choices (bench/attention_probe.py --tune).
 TUNING = {}
+# direct blocks' merge launched programmatically behind them (sm_90): 2, the blocks trigger it
+# after their last store (session 16: 0.2-0.4 us at 1-16 rows; 1, after their set-up, made 16 rows
+# 2 us slower: the merge's blocks wait on the SMs); ``TUNING["pdl"]`` overrides
+PDL = 2
+# direct blocks plan their own pieces, no page-4 plan (session 16; ``TUNING["self"]``)
+SELF_PLAN = True
 
 
 def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
@@ -147,6 +165,16 @@ def grouped_config(d, hg, rows, kb1, hkv, profile, single=False):
     fused = bool(TUNING.get("fu", -(-rows // g) * hkv >= FUSE_WAVES * sms))
     return GroupedConfig(d, hg, stages, TUNING.get("sp", 8), g, 128, piece=PIECE,
                          producers=producers, fused=fused, span=SPAN)
+
+
+def plans_own_pieces(d, hg, rows, kb1, hkv, profile):
+    """The pieces a row can have when :func:`launch_grouped` runs direct blocks that plan their own
+    pieces (``SELF_PLAN``: one-row windows) for this problem, else 0. Then no page-4 plan runs:
+    the blocks' verdicts (``verdict``) tell the generic kernel its rows. Planning changes no bits."""
+    cfg = grouped_config(d, hg, rows, kb1, hkv, profile)
+    if cfg.rows_per_window != 1 or not TUNING.get("self", SELF_PLAN):
+        return 0
+    return pieces_of(kb1, cfg.piece)
 
 
 def takes_head_dim(d):
@@ -498,7 +526,7 @@ def _out_conv(out_kind):
 @functools.lru_cache(maxsize=None)
 def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtype, out_kind,
                         producers=PRODUCERS, sm90=False, slot_strides=None, direct=False, span=None,
-                        parts=True, empty_rows=True, dsplit=None):
+                        parts=True, empty_rows=True, dsplit=None, pdl=False, self_plan=False):
     """Grid ``(windows, spans, Hkv)`` (direct: ``(rows, pieces, Hkv)``), block ``32 * (rows_per_window
     * HT * DS + producers)`` threads (``DS`` warps a head tile in direct blocks: 4 at one head
     tile, 2 at two, ``dsplit`` if given; else 1),
@@ -515,6 +543,19 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     are independent sums) and of S^T's accumulation chains, which the warps exchange through
     shared memory every chunk (``qk_split``); every warp then runs the same softmax step on the
     same scores: the bits of one warp.
+    ``pdl`` (direct blocks, sm_90): every thread lets the merge kernel launch
+    (``griddepcontrol.launch_dependents``), 1: once the block's barriers are set up, so that the
+    merge's launch overlaps this whole grid, 2: after the block's last store (TensorRT-LLM's
+    place); the merge waits for this grid's completion before its first read of it.
+    ``self_plan`` (direct blocks): no page-4 plan; a block checks and maps its own piece from the
+    selection (``tokens``, ``counts``, ``block_table``, ``req_ids``, ``seq_lens``, ``geometry``)
+    with the plan kernel's checks (:func:`numqsa.kernels.page4.make_plan_checks`: the same pages,
+    so the same arithmetic), one thread a page; block ``(row, y, 0)`` writes its verdict
+    ``verdict[row, y]`` (the row's page count, 0 where the plan would leave the row: the generic
+    kernel's rows are those with a 0) and block ``(row, 0, 0)`` the row's page count to
+    ``num_vpages`` for the merge (``pages`` gives only the plan's width, ``tail_len`` is not read).
+    A piece the plan would reject leaves zeros and ``l = -1`` in its partials (the merge then
+    leaves the row); one-piece rows write nothing.
     ``empty_rows``: rows without pages (``num_vpages = 0``) get ``out = 0``, ``lse = -inf``; else
     they are left to another kernel (the generic one, beside this one in the graph) and only rows
     the window plan found malformed are written so.
@@ -527,6 +568,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     each after waiting on its ``full`` phase, so no warp waits for another's chunks."""
     D, HG, NB, SP, G, PA = (int(v) for v in (d, hg, stages, stage_pages, rows_per_window, piece))
     DIRECT = bool(direct)
+    PDL = int(pdl) if DIRECT else 0
+    SELF = bool(self_plan)
+    if SELF and (not DIRECT or empty_rows):
+        raise ValueError("direct blocks plan their own pieces only, beside the generic kernel's rows")
     # pages a block streams per phase: a span (union windows), one piece (direct blocks)
     PC = PA if DIRECT or span is None else int(span)
     if PC % PA:
@@ -586,6 +631,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NPF = -(-2 * UCAP // NT) if DIRECT else 1   # page-table words a thread prefetches (direct)
     STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
                + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
+    if SELF and not (STAGE_U and NT >= OWNMAX):
+        raise ValueError("self-planned direct blocks stage their piece's pages, one thread a page")
+    row_pages, ids_ok, entry = make_plan_checks(4)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
     UNB = uint32(NB)
@@ -829,17 +877,21 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         m1 = ml[1]
         mn0 = max(m0, _col_max(max(max(s0, s2), max(s4, s6)), lane, scr))
         mn1 = max(m1, _col_max(max(max(s1, s3), max(s5, s7)), lane, scr))
-        # selects, not branches: fexp(-inf) is 0, and only an all -inf max needs a guard (NaN)
+        # selects, not branches: fexp(-inf) is 0, and only an all -inf max needs a guard (NaN);
+        # the scores subtract a max of -inf as 0 (-inf - 0 is -inf: the same 0), so no score
+        # needs a guard of its own
         al0 = fexp(m0 - mn0) if mn0 != NEG_INF else F1
         al1 = fexp(m1 - mn1) if mn1 != NEG_INF else F1
-        p0 = fexp(s0 - mn0) if s0 != NEG_INF else F0
-        p1 = fexp(s1 - mn1) if s1 != NEG_INF else F0
-        p2 = fexp(s2 - mn0) if s2 != NEG_INF else F0
-        p3 = fexp(s3 - mn1) if s3 != NEG_INF else F0
-        p4 = fexp(s4 - mn0) if s4 != NEG_INF else F0
-        p5 = fexp(s5 - mn1) if s5 != NEG_INF else F0
-        p6 = fexp(s6 - mn0) if s6 != NEG_INF else F0
-        p7 = fexp(s7 - mn1) if s7 != NEG_INF else F0
+        mx0 = mn0 if mn0 != NEG_INF else F0
+        mx1 = mn1 if mn1 != NEG_INF else F0
+        p0 = fexp(s0 - mx0)
+        p1 = fexp(s1 - mx1)
+        p2 = fexp(s2 - mx0)
+        p3 = fexp(s3 - mx1)
+        p4 = fexp(s4 - mx0)
+        p5 = fexp(s5 - mx1)
+        p6 = fexp(s6 - mx0)
+        p7 = fexp(s7 - mx1)
         ml[0] = mn0
         ml[1] = mn1
         ml[2] = ml[2] * al0 + ((p0 + p2) + (p4 + p6))
@@ -894,6 +946,60 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             if x < uint32(2 * UCAP) and e < int32(pages.shape[1]):
                 w = int32(pages[row, e, x & U1])
             pre[i] = w
+
+    @device_jit(forceinline=True)
+    def plan_piece(su, tokens, counts, table, req_ids, seq_lens, geometry, slots, row, piece, tid):
+        """The page-4 plan of the block's piece (``self_plan``): thread ``tid`` checks the piece's
+        page ``tid`` and stages its ``(physical page, first slot)`` in ``su``; its ids, the row's
+        metadata and then its table entry are loaded together (two round trips, as in the plan
+        kernel). Returns the row's ``(num_vpages, tail_len)`` (``(0, 0)`` for a row the plan cannot
+        express as a whole) and whether the piece passed (a block barrier)."""
+        width = int32(tokens.shape[1])
+        req = int32(req_ids[row])
+        n = int32(counts[row])
+        v = uint32(piece * int32(PA)) + tid
+        ids = cuda.local.array(5, int32)
+        for x in range(5):
+            ids[x] = int32(-1)
+            if tid < uint32(OWNMAX) and width > int32(0):
+                ids[x] = int32(tokens[row, min(max(int32(U4 * v) + int32(x - 1), int32(0)),
+                                               width - int32(1))])
+        ps = int32(geometry[1])
+        cols = int32(table.shape[1])
+        slen = int32(0)
+        pg = int32(-1)
+        if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(table.shape[0]):
+            slen = int32(seq_lens[req])
+            if tid < uint32(OWNMAX) and ids[1] >= int32(0) and ids[1] // ps < cols:
+                pg = int32(table[req, ids[1] // ps])
+        nv, tail = row_pages(n, width, slen, slots)
+        k0, k1 = _piece_range(int32(nv), piece, PA)
+        ok = True
+        if v < uint32(k1):
+            len_v = U4
+            if v == nv - U1 and tail > U0:
+                len_v = tail
+            pg, sl = entry(pg, ids[1], ps, cols, int32(geometry[0]))
+            ok = ids_ok(ids, len_v, v, slen) and pg >= int32(0)
+            su[tid, 0] = pg
+            su[tid, 1] = sl
+        return int32(nv), int32(tail), cuda.syncthreads_or(int32(0 if ok else 1)) == 0
+
+    @device_jit(forceinline=True)
+    def rejected_piece(lane, row, h0, nh, part_o, part_ml, slot, d0):
+        """A piece the plan would reject (``self_plan``): zeros in its ``O`` partial and
+        ``(m, l) = (-inf, -1)``, which tells the merge to leave the row."""
+        g = lane >> U2
+        hA = U2 * (lane & U3)
+        for i in range(2):
+            if hA + uint32(i) < nh:
+                part_ml[row, h0 + hA + uint32(i), slot, 0] = NEG_INF
+                part_ml[row, h0 + hA + uint32(i), slot, 1] = float32(-1)
+        for mt in range(NMT):
+            for i in range(4):
+                hh = hA + (uint32(i) & U1)
+                if hh < nh:
+                    part_o[row, h0 + hh, slot, o_dim(d0, g, mt, i)] = F0
 
     @device_jit(forceinline=True)
     def init_ring(bar, tid):
@@ -1062,7 +1168,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         out[row, h0 + hh, dd] = conv(_fold_finish(oacc[4 * mt + i], lb))
 
     def kernel(qw, qs0, qs1, kw, vw, ks0, ks2, vs0, vs2, pages, num_vpages, tail_len,
-               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans):
+               windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans,
+               tokens, counts, table, req_ids, seq_lens, geometry, verdict):
         dyn = cuda.shared.array(0, uint32)
         bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1], exchanges
         xall = cuda.shared.array(XSH, float32)
@@ -1084,24 +1191,47 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         d0 = uint32(16 * NMT) * dh
         h0 = j * uint32(HG) + ht * uint32(HH)
         nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
-        first = int32(windows[win, 0])        # (windows: a constant of the launch)
-        cnt = int32(windows[win, 1])
+        if DIRECT:
+            # one-row windows: window w is row w (launch_grouped), no load before the row's own
+            first = int32(win)
+            cnt = int32(1)
+        else:
+            first = int32(windows[win, 0])    # (windows: a constant of the launch)
+            cnt = int32(windows[win, 1])
         row = first + wslot
         live = wslot < cnt and not producer
         qf = cuda.local.array(NQF, uint32)
         pre = cuda.local.array(NPF, int32)
-        if DIRECT:
-            # q and the barriers first (inputs and shared memory only): q's loads in flight
-            # beside those of the plan's outputs; the piece's page ids (at most OWNMAX entries
-            # from its first, every one written by the plan) beside the row's page count, which
-            # says how many of them are the piece's
-            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
-            if STAGE_U:
-                prefetch_pages(pre, pages, first, int32(cuda.blockIdx.y) * int32(PA), tid)
-            init_ring(bar, tid)
         nv = int32(0)
         tl = int32(0)
-        if live:
+        if DIRECT:
+            # q's loads first, in flight beside the piece's own plan (``self_plan``) or beside
+            # the plan's outputs: the piece's page ids (at most OWNMAX entries from its first,
+            # every one written by the plan) beside the row's page count, which says how many of
+            # them are the piece's; then the barriers
+            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
+            if SELF:
+                nv, tl, passed = plan_piece(su, tokens, counts, table, req_ids, seq_lens, geometry,
+                                            int32(pages.shape[1]), first, int32(cuda.blockIdx.y),
+                                            tid)
+                if tid == U0 and j == U0:
+                    verdict[first, cuda.blockIdx.y] = nv if passed else int32(0)   # the generic's
+                    if cuda.blockIdx.y == 0:
+                        num_vpages[first] = nv        # the merge's
+                if not passed:
+                    if live and PARTS and int32(cuda.blockIdx.y) < max(int32(1), nv // int32(PA)):
+                        rejected_piece(lane, first, h0, nh, part_o, part_ml,
+                                       int32(cuda.blockIdx.y), d0)
+                    nv = int32(0)
+                live = live and nv > int32(0)
+            elif STAGE_U:
+                prefetch_pages(pre, pages, first, int32(cuda.blockIdx.y) * int32(PA), tid)
+            init_ring(bar, tid)
+            if PDL == 1:
+                grid_dep_launch()
+        if SELF:
+            pass
+        elif live:
             nv = int32(num_vpages[row])
             tl = int32(tail_len[row])
             if not DIRECT and (uint32(wmeta[win, 0, 2]) >> uint32(wslot)) & U1:
@@ -1144,7 +1274,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             if writer and ht == U0 and not DIRECT:
                 for x in range(kstart + int32(lane), kend, int32(32)):
                     sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
-            if STAGE_U and DIRECT:
+            if SELF:
+                pass                  # staged by plan_piece
+            elif STAGE_U and DIRECT:
                 for i in range(NPF):
                     x = tid + uint32(i * NT)
                     if x < uint32(2 * nstream0):
@@ -1257,8 +1389,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         if PARTS and fused != int32(0) and live and nv > int32(0):
             fold_out(lane, oacc, npc, row, h0, nh, out, lse, part_o, part_ml, d0, dh == U0)
 
+        if PDL == 2:
+            grid_dep_launch()
+
     kernel.__name__ = (f"grouped_attn_d{D}_g{HG}_w{G}_nb{NB}_sp{SP}_np{NPW}_{dtype}_{out_kind}"
-                       f"{'_direct' if DIRECT else ''}")
+                       f"{'_direct' if DIRECT else ''}{'_self' if SELF else ''}"
+                       f"{f'_pdl{PDL}' if PDL else ''}")
     kernel.__qualname__ = kernel.__name__
     k = jit(kernel, launch_bounds=(NT, 1))   # registers fit one block of NT threads
     k.threads = NT
@@ -1266,7 +1402,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
 
 @functools.lru_cache(maxsize=None)
-def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
+def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=False, self_plan=False):
     """Grid ``(rows, Hq)``, block ``d`` threads: every row with tokens folds its spans in span
     order: ``M = max M_s``, ``L = sum_s L_s e^(M_s - M)``, ``out = sum_s O_s e^(M_s - M) / L``,
     ``lse = M + log L`` (one span: ``O / L``, the bits of a direct division). The union kernel left
@@ -1278,19 +1414,22 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
     out slot ``x``'s (:func:`_slot_weights`, the span's running max replayed in slot order), so that
     a dimension's chain is one fused multiply-add a slot, not two ``exp`` behind a max (1,430
     instructions a warp at 16 slots, 5.1 us at one row in Nsight Compute). Every slot of ``O`` is
-    loaded first, the index clamped to the row's own slots (no read of an unwritten one)."""
+    loaded first, the index clamped to the row's own slots (no read of an unwritten one).
+    ``pdl``: launched programmatically behind the attention kernel (sm_90): the row's page count
+    (the page-4 plan's, complete before that kernel began) is read first, then
+    ``griddepcontrol.wait`` until the attention kernel's partials are complete and visible.
+    ``self_plan``: the page count is the direct blocks' own (read after the wait), and a row with
+    a rejected piece (``l = -1`` in any slot) is left to the generic kernel."""
     D, PA, PC, NP, NS = (int(v) for v in (d, piece, span, npieces, nspans))
     DIRECT = bool(direct)
+    PDL = bool(pdl)
+    SELF = bool(self_plan)
     R = PC // PA if DIRECT else 1         # slots of a span (the row's last span takes the rest)
     NL = NP if DIRECT else NS             # slots a row can have
     UD = uint32(D)
     F0 = float32(0)
     conv = _out_conv(out_kind)
-
-    @device_jit(forceinline=True)
-    def span_start(x, nsp):
-        """First slot of slot ``x``'s span."""
-        return min(x // int32(R), nsp - int32(1)) * int32(R)
+    span_start, row_max, fold_slots = _make_fold(NL, R)
 
     def kernel(num_vpages, part_o, part_ml, out, lse):
         sm = cuda.shared.array(NL, float32)      # a slot's max and sum
@@ -1301,7 +1440,13 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
         row = uint32(cuda.blockIdx.x)
         h = uint32(cuda.blockIdx.y)
         dd = uint32(cuda.threadIdx.x)
-        nv = int32(num_vpages[row])
+        nv = int32(0)
+        if not SELF:
+            nv = int32(num_vpages[row])
+        if PDL:
+            grid_dep_wait()
+        if SELF:
+            nv = int32(num_vpages[row])
         if nv <= int32(0) or part_ml[row, h, 0, 1] < F0:     # no tokens: written by the kernel
             return
         nsp = max(int32(1), nv // int32(PC))
@@ -1314,21 +1459,54 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
             sm[x] = part_ml[row, h, q, 0]
             sl[x] = part_ml[row, h, q, 1]
         cuda.syncthreads()
-        # M: the max over the spans' maxima, which is the max over their slots', in slot order
-        mx = NEG_INF
-        for x in range(NL):
-            if x < nsl:
-                mx = max(mx, sm[x])
+        if SELF:
+            for x in range(1, NL):
+                if x < nsl and sl[x] < F0:           # a rejected piece: the generic kernel's row
+                    return
+        mx = row_max(sm, nsl)
         for x in range(dd, NL, UD):
             if x < nsl:
                 _slot_weights(sm, sa, sb, sw, int32(x), span_start(int32(x), nsp), mx)
         cuda.syncthreads()
-        # one pass over the slots: a span's state folds its slots in order (direct), and each
-        # span's state joins the sum over spans when the next span (or the row's end) begins
+        acc, lsum = fold_slots(ov, sl, sa, sb, sw, nsl, nsp)
+        out[row, h, dd] = conv(_fold_finish(acc, lsum))
+        if dd == uint32(0):
+            lse[row, h] = _fold_lse(mx, lsum)
+
+    kernel.__name__ = (f"grouped_merge_d{D}_{out_kind}_n{NL}{'_direct' if DIRECT else ''}"
+                       f"{'_self' if SELF else ''}{'_pdl' if PDL else ''}")
+    kernel.__qualname__ = kernel.__name__
+    return jit(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_fold(nl, r):
+    """The merge kernel's fold of a row's ``nl`` slots (spans of ``r`` slots) as device functions:
+    ``span_start(x, nsp)``, the first slot of slot ``x``'s span;
+    ``row_max(sm, nsl)``, ``M`` over the slots' maxima in slot order; ``fold_slots(ov, sl, sa, sb,
+    sw, nsl, nsp)``, ``(sum O, L)`` of one dimension in one pass: a span's state folds its slots in
+    order (weights of :func:`_slot_weights`), and each span's state joins the sum over spans when
+    the next span (or the row's end) begins."""
+    NL, R = int(nl), int(r)
+
+    @device_jit(forceinline=True)
+    def span_start(x, nsp):
+        return min(x // int32(R), nsp - int32(1)) * int32(R)
+
+    @device_jit(forceinline=True)
+    def row_max(sm, nsl):
+        mx = NEG_INF
+        for x in range(NL):
+            if x < nsl:
+                mx = max(mx, sm[x])
+        return mx
+
+    @device_jit(forceinline=True)
+    def fold_slots(ov, sl, sa, sb, sw, nsl, nsp):
         ls = sl[0]
         o = ov[0]
-        lsum = F0
-        acc = F0
+        lsum = float32(0)
+        acc = float32(0)
         for x in range(1, NL + 1):
             if x <= nsl:
                 if x < nsl and span_start(int32(x), nsp) != int32(x):
@@ -1343,21 +1521,17 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct):
                     if x < nsl:
                         ls = sl[min(x, NL - 1)]
                         o = ov[min(x, NL - 1)]
-        out[row, h, dd] = conv(_fold_finish(acc, lsum))
-        if dd == uint32(0):
-            lse[row, h] = _fold_lse(mx, lsum)
+        return acc, lsum
 
-    kernel.__name__ = f"grouped_merge_d{D}_{out_kind}_n{NL}{'_direct' if DIRECT else ''}"
-    kernel.__qualname__ = kernel.__name__
-    return jit(kernel)
+    return span_start, row_max, fold_slots
 
 
 @device_jit(forceinline=True)
 def _slot_weights(sm, sa, sb, sw, x, x0, mx):
     """Slot ``x``'s weights in a fold of its span (first slot ``x0``) in slot order: the span's
     running max before and at ``x`` (the same ``max`` calls in the same order as a sequential
-    fold), ``a = e^(m_(x-1) - m_x)``, ``b = e^(M_x - m_x)``, and the span's weight in the row,
-    ``e^(m_x - M)``, used where the span ends at ``x``."""
+    fold), ``a = e^(m_(x-1) - m_x)``, ``b = e^(s_x - m_x)`` (``s_x`` the slot's own max), and the
+    span's weight in the row, ``e^(m_x - M)``, used where the span ends at ``x``."""
     m = sm[x0]
     mp = m
     for j in range(x0 + int32(1), x + int32(1)):
@@ -1378,7 +1552,8 @@ def pieces_of(kb1, piece):
 
 
 def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req_ids, scale, out,
-                   lse, profile, stream, buffers, dtype=None, out_kind=None, empty_rows=True):
+                   lse, profile, stream, buffers, dtype=None, out_kind=None, empty_rows=True,
+                   selection=None, verdict=None):
     """Grouped route on device arrays after the page-4 plan (``pages``, ``num_vpages``,
     ``tail_len``); ``buffers(name, shape, dtype)`` returns scratch device arrays (a workspace's).
     ``tokens`` (the selection the plan came from) orders the windows' unions by logical group;
@@ -1386,7 +1561,11 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     K/V must have a contiguous D axis and 16-byte aligned rows (see :func:`words_view`).
     ``dtype`` ("f16"/"bf16", q and K/V) and ``out_kind`` ("f32"/"f16"/"bf16") default to the
     arrays' own; a bfloat16 ``out`` is written through its uint16 bits. ``empty_rows=False``: rows
-    without pages are another kernel's to write (:func:`make_grouped_kernel`)."""
+    without pages are another kernel's to write (:func:`make_grouped_kernel`).
+    ``selection`` ``(tokens, counts, block_table, req_ids, seq_lens, geometry)``, the page-4 plan's
+    own inputs (with ``empty_rows=False``, where :func:`plans_own_pieces` says so; no plan ran):
+    direct blocks plan their own pieces from it and leave their verdicts in ``verdict``
+    (``[rows, pieces]``). Returns the attention kernel's record (:func:`numqsa.launch.mark`)."""
     from .. import device as dev
     rows, hq, d = q.shape
     hkv = int(k_cache.shape[2])
@@ -1405,6 +1584,9 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     # One-row windows over the page-4 plan kernel's own plan (valid by construction) need no window
     # plan: the union is the row's own pages in order (session 11: 5.6 of 45 us at one row).
     direct = g == 1 and tokens is not None
+    self_plan = selection is not None
+    if self_plan and not (direct and not empty_rows and verdict is not None):
+        raise ValueError("direct blocks plan their own pieces beside the generic kernel only")
     fused = cfg.fused and not direct
     # a row's partials, and the blocks along y of the split schedule: one per span (union
     # windows), one per piece (direct)
@@ -1431,9 +1613,13 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     dtype = dtype or ("bf16" if is_bf16(q) else "f16")
     ok = out_kind or _out_kind_of(out)
     ob = bits16(out)
+    sm90 = dev.device_cc() >= (9, 0)
+    # direct blocks and their merge: a programmatic edge between them (sm_90; ``TUNING["pdl"]``)
+    pdl = int(TUNING.get("pdl", PDL)) if direct and sm90 and nslots > 1 and not fused else 0
     k = make_grouped_kernel(int(d), hg, cfg.stages, cfg.stage_pages, g, pc, dtype, ok, cfg.producers,
-                            dev.device_cc() >= (9, 0), (int(kv[1][1]), int(vv[1][1])), direct,
-                            span, nslots > 1, empty_rows, TUNING.get("ds") if direct else None)
+                            sm90, (int(kv[1][1]), int(vv[1][1])), direct,
+                            span, nslots > 1, empty_rows, TUNING.get("ds") if direct else None, pdl,
+                            self_plan)
     # a row's partials, or (a span of several pieces) the state of its span's fold
     held = rows if npieces > 1 else 1
     part_o = buffers("grouped.part_o", (held, hq, nslots, d), np.float32)
@@ -1445,12 +1631,20 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
             i64(vv[1][0]), i64(vv[1][2]),
             pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
             part_o, part_ml)
+    if self_plan:
+        # the row's page count for the merge: the direct blocks' own
+        num_vpages = buffers("grouped.num_vpages", (rows,), np.int32)
+        sel = tuple(selection) + (verdict,)
+    else:
+        sel = (windows,) * 7           # not read
     _launch_dynamic(k, (nwin, 1 if fused else nslots, hkv), k.threads, stream, cfg.smem_bytes,
-                    args + (np.int32(fused), np.int32(nslots)))
+                    args[:10] + (num_vpages,) + args[11:] + (np.int32(fused), np.int32(nslots)) + sel)
+    attn = mark()
     if nslots > 1 and not fused:
-        km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct)
-        km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
-    return out, lse
+        km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct, pdl > 0, self_plan)
+        with after(attn), programmatic() if pdl else contextlib.nullcontext():
+            km[(rows, hq), int(d), stream](num_vpages, part_o, part_ml, ob, lse)
+    return attn
 
 
 def _out_kind_of(out):
@@ -1523,7 +1717,13 @@ def _resource_cases():
     sig = ("void(uint32[::1], int64, int64, uint32[::1], uint32[::1], int64, int64, int64, int64, "
            "int32[:, :, ::1], int32[::1], int32[::1], int32[:, ::1], "
            "int32[:, :, :, ::1], int32[:, :, ::1], int32[:, ::1], float32, float16[:, :, :], "
-           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32)")
+           "float32[:, :], float32[:, :, :, ::1], float32[:, :, :, ::1], int32, int32, "
+           + "int32[:, ::1], " * 6 + "int32[:, ::1])")      # (the selection: not read)
+    # direct blocks that plan their own pieces: the selection (tokens, counts, block table, req_ids,
+    # seq_lens, geometry) and their verdicts
+    sig_self = sig.replace("int32[:, ::1], " * 6 + "int32[:, ::1])",
+                           "int32[:, ::1], int32[::1], int32[:, ::1], int32[::1], int32[::1], "
+                           "int32[::1], int32[:, ::1])")
     for hg in (6, 12):
         cfg = GroupedConfig(256, hg, 6, 8, window_rows(hg), 256, span=SPAN)
         k = make_grouped_kernel(256, hg, 6, 8, cfg.rows_per_window, PIECE, "f16", "f16", sm90=True,
@@ -1533,8 +1733,8 @@ def _resource_cases():
     # warps (O's dims and S^T's chains), a ring of DIRECT_STAGES (two blocks an SM)
     cfg = GroupedConfig(256, 6, DIRECT_STAGES, 8, 1, 256)
     k = make_grouped_kernel(256, 6, DIRECT_STAGES, 8, 1, PIECE, "f16", "f16", sm90=True, direct=True,
-                            empty_rows=False)
-    cases.append(("grouped_attn_direct_g6", k, sig, k.threads, cfg.smem_bytes, (9, 0)))
+                            span=SPAN, empty_rows=False, pdl=PDL, self_plan=SELF_PLAN)
+    cases.append(("grouped_attn_direct_g6", k, sig_self, k.threads, cfg.smem_bytes, (9, 0)))
     # bfloat16 q/K/V, output bfloat16 bits (uint16)
     sig_bf = sig.replace("float16[:, :, :], float32[:, :]", "uint16[:, :, :], float32[:, :]")
     for hg in (6, 12):

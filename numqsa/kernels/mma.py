@@ -72,7 +72,7 @@ from ..jit import SIMULATOR, device_jit, jit
 
 __all__ = [
     "mma_m16n8k16_f16", "mma_m16n8k16_bf16", "mma_m8n8k4_f16",
-    "pack_f16x2", "pack_bf16x2", "unpack_f16x2", "ld_global_nc_v4_u32",
+    "pack_f16x2", "pack_bf16x2", "unpack_f16x2", "ld_global_nc_v4_u32", "ex2_approx_ftz",
     "SCRATCH_WORDS", "SIM_SCRATCH_WORDS_M16N8K16", "SIM_SCRATCH_WORDS_M8N8K4",
     "m16n8k16_a_pos", "m16n8k16_b_pos", "m16n8k16_c_pos",
     "m8n8k4_quadpair", "m8n8k4_a_pos", "m8n8k4_b_pos", "m8n8k4_c_pos",
@@ -194,6 +194,18 @@ def _gpu_pack_f16x2(typingctx, lo, hi):
             return builder.call(asm, ops)
         return types.uint32(lo, hi), codegen
     return None
+
+
+@intrinsic
+def _gpu_ex2_approx_ftz(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        asm = ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+        return builder.call(asm, [args[0]])
+    return types.float32(x), codegen
 
 
 @intrinsic
@@ -407,6 +419,12 @@ def _sim_unpack_f16x2(w):
     return v[0], v[1]
 
 
+def _sim_ex2_approx_ftz(x):
+    with np.errstate(over="ignore"):
+        y = np.float32(2.0) ** np.float32(x)
+    return np.float32(0) if abs(y) < np.finfo(np.float32).tiny else y
+
+
 def _sim_ld_global_nc_v4_u32(arr, idx):
     i = int(idx)
     return (np.uint32(arr[i]), np.uint32(arr[i + 1]), np.uint32(arr[i + 2]), np.uint32(arr[i + 3]))
@@ -444,6 +462,9 @@ int) arguments rounded to nearest even (cvt.rn.bf16x2.f32, sm_80+).""")
 
 unpack_f16x2 = _pick(_sim_unpack_f16x2, _gpu_unpack_f16x2, """\
 (lo, hi) float16 halves of a uint32.""")
+
+ex2_approx_ftz = _pick(_sim_ex2_approx_ftz, _gpu_ex2_approx_ftz, """\
+2^x, float32, ~2 ulp; results (and inputs) below 2^-126 flushed to zero: one MUFU.EX2.""")
 
 ld_global_nc_v4_u32 = _pick(_sim_ld_global_nc_v4_u32, _gpu_ld_global_nc_v4_u32, """\
 arr[idx:idx+4] of a 1-D uint32 GLOBAL array as one 16-byte read-only load (ld.global.nc.v4.u32).

@@ -23,26 +23,77 @@ from numba.cuda.types import float16
 from ..jit import SIMULATOR, device_jit, jit
 from .mma import SCRATCH_WORDS, mma_m8n8k4_f16, mma_m16n8k16_f16, pack_f16x2
 
-__all__ = ["make_plan_kernel", "launch_plan", "make_page4_kernel", "make_window_keys_kernel",
+__all__ = ["make_plan_checks", "make_plan_kernel", "launch_plan", "make_page4_kernel", "make_window_keys_kernel",
            "launch_page4", "page4_windows", "stage_pages", "RESOURCE_CASES"]
+
+
+@functools.lru_cache(maxsize=None)
+def make_plan_checks(r):
+    """The plan's checks as device functions, shared by the plan kernel and the direct attention
+    blocks that plan their own piece (:func:`numqsa.kernels.grouped.make_grouped_kernel`), so both
+    reach the same verdict on every row:
+
+    - ``row_pages(n, width, slen, slots)``: ``(virtual pages, tail tokens)`` of a row of ``n``
+      selected ids, or ``(0, 0)`` when the row cannot be planned (no tokens, ``n`` past the
+      selection's width, an empty request, more pages than the plan's ``slots``);
+    - ``ids_ok(ids, len_v, v, slen)``: whether virtual page ``v``'s ids ``ids[1 .. len_v]`` are
+      ``t0, t0+1, ...`` with ``t0 % r == 0``, inside the request (``< slen``), and above the previous
+      page's last id ``ids[0]`` (read only for ``v > 0``);
+    - ``entry(pg, t0, ps, cols, npg)``: the page's ``(physical page, first slot)`` from its table
+      column ``t0 // ps`` (whose entry ``pg`` the caller loaded, any value when the column is past
+      the table), or ``(-1, -1)`` when the column or page is out of range."""
+    R = int(r)
+    UR = uint32(R)
+
+    @device_jit(forceinline=True)
+    def row_pages(n, width, slen, slots):
+        if slen <= int32(0) or n <= int32(0) or n > width:
+            return uint32(0), uint32(0)
+        nfull = uint32(n) // UR
+        tail = uint32(n) - nfull * UR
+        nv = nfull + uint32(1 if tail > uint32(0) else 0)
+        if nv > uint32(slots):
+            return uint32(0), uint32(0)
+        return nv, tail
+
+    @device_jit(forceinline=True)
+    def ids_ok(ids, len_v, v, slen):
+        t0 = ids[1]
+        ok = t0 >= int32(0) and t0 % int32(R) == int32(0) and t0 + int32(len_v) <= slen
+        for x in range(1, R):
+            if uint32(x) < len_v and ids[1 + x] != t0 + int32(x):
+                ok = False
+        if v > uint32(0) and ids[0] >= t0:
+            ok = False
+        return ok
+
+    @device_jit(forceinline=True)
+    def entry(pg, t0, ps, cols, npg):
+        c = t0 // ps
+        if c >= cols or pg < int32(0) or pg >= npg:
+            return int32(-1), int32(-1)
+        return pg, t0 - c * ps
+
+    return row_pages, ids_ok, entry
 
 
 @functools.lru_cache(maxsize=None)
 def make_plan_kernel(threads, r):
     """One block of ``threads`` threads per row (grid ``rows``).
 
-    Pass 1: thread ``tid`` checks virtual pages ``v = tid, tid + threads, ...`` of the row: the
-    ``r`` (or, for the last, ``tail``) ids of page ``v`` must be ``t0, t0+1, ...`` with ``t0 % r == 0``,
-    ``t0`` above the previous page's last id, ``< seq_len``, and the table column and page id in
-    range, and the row's pages must fit ``pages.shape[1]`` (:func:`plan_pages`); any failure sets a
-    shared flag. Pass 2 (after a barrier) writes every entry of
-    ``pages[row]`` -- the plan or ``-1`` -- plus ``num_vpages`` and ``tail_len``. A thread's first
-    page (``v = tid``) is read before the first barrier, beside the row's metadata.
+    Pass 1: thread ``tid`` checks virtual pages ``v = tid, tid + threads, ...`` of the row
+    (:func:`make_plan_checks`: the ``r`` (or, for the last, ``tail``) ids of page ``v`` must be
+    ``t0, t0+1, ...`` with ``t0 % r == 0``, ``t0`` above the previous page's last id, ``< seq_len``,
+    and the table column and page id in range, and the row's pages must fit ``pages.shape[1]``
+    (:func:`plan_pages`)); any failure sets a shared flag. Pass 2 (after a barrier) writes every
+    entry of ``pages[row]`` -- the plan or ``-1`` -- plus ``num_vpages`` and ``tail_len``. A
+    thread's first page (``v = tid``) is read before the first barrier, beside the row's metadata.
     Shared memory: 4 bytes.
     """
     NT, R = int(threads), int(r)
     R1 = R + 1
     UNT, UR = uint32(NT), uint32(R)
+    row_pages, ids_ok, entry = make_plan_checks(R)
 
     @jit
     def plan(tokens, counts, block_table, req_ids, seq_lens, num_pages, pages, num_vpages, tail_len):
@@ -72,51 +123,34 @@ def make_plan_kernel(threads, r):
             slen = int32(seq_lens[req])
             if tk[1] >= int32(0) and tk[1] // ps < cols:
                 pg0 = int32(block_table[req, tk[1] // ps])
+        nv, tail = row_pages(n, width, slen, slots)
+        nfull = nv - uint32(1 if tail > uint32(0) else 0)
         if tid == uint32(0):
             sbad[0] = int32(0)
-            if slen <= int32(0) or n <= int32(0) or n > width:
-                sbad[0] = int32(1)
-            elif (uint32(n) + UR - uint32(1)) // UR > slots:   # more pages than the plan holds
-                sbad[0] = int32(1)
         cuda.syncthreads()
-        if sbad[0] == int32(0):
-            n = min(max(n, int32(0)), width)
-        else:
-            n = int32(0)
-        nfull = uint32(n) // UR
-        tail = uint32(n) - nfull * UR
-        nv = nfull + uint32(1 if tail > uint32(0) else 0)
+        ids = cuda.local.array(R1, int32)
         for v in range(tid, nv, UNT):
             own = v == tid
             k0 = v * UR
             len_v = UR
             if v == nfull:
                 len_v = tail
-            t0 = tk[1] if own else int32(tokens[row, k0])
-            bad = t0 < int32(0) or t0 % int32(R) != int32(0) or t0 + int32(len_v) > slen
-            for x in range(1, R):
-                if uint32(x) < len_v:
-                    tx = tk[1 + x] if own else int32(tokens[row, k0 + uint32(x)])
-                    if tx != t0 + int32(x):
-                        bad = True
-            if v > uint32(0):
-                tp = tk[0] if own else int32(tokens[row, k0 - uint32(1)])
-                if tp >= t0:
-                    bad = True
-            if not bad:
-                c = t0 // ps
-                if c >= cols:
-                    bad = True
-                else:
-                    pg = pg0 if own else int32(block_table[req, c])
-                    if pg < int32(0) or pg >= npg:
-                        bad = True
-            if bad:
+            for x in range(R1):
+                ids[x] = tk[x]
+                if not own and (uint32(x) <= len_v and (x > 0 or v > uint32(0))):
+                    ids[x] = int32(tokens[row, k0 + uint32(x) - uint32(1)])
+            ok = ids_ok(ids, len_v, v, slen)
+            if ok:
+                pg = pg0
+                if not own and ids[1] // ps < cols:
+                    pg = int32(block_table[req, ids[1] // ps])
+                ok = entry(pg, ids[1], ps, cols, npg)[0] >= int32(0)
+            if not ok:
                 sbad[0] = int32(1)
         cuda.syncthreads()
-        ok = sbad[0] == int32(0)
-        if not ok:
+        if sbad[0] != int32(0):
             nv = uint32(0)
+            tail = uint32(0)
         for v in range(tid, slots, UNT):
             pg = int32(-1)
             sl = int32(-1)
@@ -124,16 +158,12 @@ def make_plan_kernel(threads, r):
                 own = v == tid
                 t0 = tk[1] if own else int32(tokens[row, v * UR])
                 c = t0 // ps
-                pg = pg0 if own else int32(block_table[req, c])
-                sl = t0 - c * ps
+                pg, sl = entry(pg0 if own else int32(block_table[req, c]), t0, ps, cols, npg)
             pages[row, v, 0] = pg
             pages[row, v, 1] = sl
         if tid == uint32(0):
             num_vpages[row] = int32(nv)
-            tl = int32(0)
-            if ok:
-                tl = int32(tail)
-            tail_len[row] = tl
+            tail_len[row] = int32(tail)
 
     plan.threads = NT
     return plan

@@ -51,7 +51,7 @@ from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
 __all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4",
            "ldmatrix_x4_trans", "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait",
-           "mbar_try_wait", "mbar_arrive", "cp_async_mbar_arrive"]
+           "mbar_try_wait", "mbar_arrive", "cp_async_mbar_arrive", "grid_dep_wait", "grid_dep_launch"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
 # either kind may alternate on one scratch row (see mma._sim_buffer).
@@ -104,22 +104,8 @@ def _gpu_shared_base(typingctx, arr):
     return sig, codegen
 
 
-@intrinsic
-def _gpu_cp_async_commit(typingctx):
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;",
-                           "~{memory}", side_effect=True)
-        builder.call(asm, [])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_cp_async_wait(n):
-    text = f"cp.async.wait_group {int(n)};"
-
+def _void_asm(name, text):
+    """An intrinsic ``name()`` running the PTX ``text`` (a memory clobber: no access moves across)."""
     def typer(typingctx):
         sig = types.void()
 
@@ -129,8 +115,24 @@ def _gpu_cp_async_wait(n):
             builder.call(asm, [])
             return context.get_dummy_value()
         return sig, codegen
-    typer.__name__ = f"cp_async_wait_{int(n)}"
+    typer.__name__ = name
     return intrinsic(typer)
+
+
+_gpu_cp_async_commit = _void_asm("cp_async_commit", "cp.async.commit_group;")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cp_async_wait(n):
+    return _void_asm(f"cp_async_wait_{int(n)}", f"cp.async.wait_group {int(n)};")
+
+
+# programmatic dependent launch (sm_90): a kernel launched programmatically behind another may
+# start while that one runs; ``griddepcontrol.wait`` returns once it has completed and its memory
+# is visible (at once when the kernel was launched in stream order); ``launch_dependents`` lets the
+# dependent launch once every block of this grid has issued it or exited
+_gpu_grid_dep_wait = _void_asm("grid_dep_wait", "griddepcontrol.wait;")
+_gpu_grid_dep_launch = _void_asm("grid_dep_launch", "griddepcontrol.launch_dependents;")
 
 
 def _make_ldmatrix(trans):
@@ -240,6 +242,11 @@ def _sim_cp_async_16(dst, daddr, src, si, nbytes):
 
 
 def _sim_cp_async_commit():
+    pass
+
+
+def _sim_grid_dep():
+    """The simulator launches in stream order: a dependency has completed before the kernel starts."""
     pass
 
 
@@ -353,6 +360,10 @@ cp_async_16 = _pick(_sim_cp_async_16, _gpu_cp_async_16, "16-byte async global->s
 shared_base = _pick(_sim_shared_base, _gpu_shared_base,
                     "Shared-window byte address of a shared uint32 array (0 in the simulator).")
 cp_async_commit = _pick(_sim_cp_async_commit, _gpu_cp_async_commit, "Close a cp.async group.")
+grid_dep_wait = _pick(_sim_grid_dep, _gpu_grid_dep_wait,
+                      "Until the grid this one depends on has completed (sm_90, programmatic launch).")
+grid_dep_launch = _pick(_sim_grid_dep, _gpu_grid_dep_launch,
+                        "Let the dependent grid launch (sm_90, programmatic launch).")
 ldmatrix_x4 = _pick(_sim_ldmatrix_x4, _gpu_ldmatrix_x4, "Four 8x8 b16 matrices from shared.")
 ldmatrix_x4_trans = _pick(_sim_ldmatrix_x4_trans, _gpu_ldmatrix_x4_trans,
                           "Four transposed 8x8 b16 matrices from shared.")

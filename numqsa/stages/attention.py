@@ -73,21 +73,24 @@ def _grouped_ok(profile, q, k_cache, v_cache):
 
 
 def _launch_grouped_route(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse, od,
-                          profile, stream, r, bufs, empty_rows=True):
+                          profile, stream, r, bufs, empty_rows=True, selection=None, verdict=None):
     """The grouped kernel of this device and layout over a page-4 plan. ``tokens`` (the selection
     the plan came from) lets windows of rows share loads; without it each row is its own window.
     ``empty_rows=False``: the tensor-core grouped kernel leaves rows without pages to the generic
-    kernel; returns whether it ran (the m8n8k4 page-4 kernel writes every row)."""
+    kernel. ``selection`` and ``verdict``: no plan ran; one-row windows plan their own pieces
+    (:func:`numqsa.kernels.grouped.plans_own_pieces`). Returns whether the grouped kernel ran (the
+    m8n8k4 page-4 kernel writes every row) and its attention kernel's record."""
     if _grouped_ok(profile, q, k_cache, v_cache):
-        _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale, out, lse,
-                                profile, stream, bufs, empty_rows=empty_rows)
-        return True
+        attn = _grouped.launch_grouped(q, k_cache, v_cache, pages, nv, tl, tokens, req_ids, scale,
+                                       out, lse, profile, stream, bufs, empty_rows=empty_rows,
+                                       selection=selection, verdict=verdict)
+        return True, attn
     else:
         keys = None if tokens is None else bufs("page4.keys", _page4.keys_shape(tokens, pages, r),
                                                 np.int32)
         _page4.launch_page4(q, k_cache, v_cache, pages, nv, tl, req_ids, scale, out, lse, profile,
                             stream, r, tokens=tokens, keys=keys)
-        return False
+        return False, None
 
 
 def route(rows, page_size, r=4, cc=None):
@@ -150,17 +153,30 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         pages, nv, tl = (int_buffer("page4.pages", (rows, kb + 1, 2)),
                          int_buffer("page4.num_vpages", (rows,)), int_buffer("page4.tail_len", (rows,)))
         geometry = dev.constant(np.array([num_pages, page_size], np.int32), stream)
-        _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile, stream, r)
+        # one-row windows of the grouped kernel plan their own pieces: no page-4 plan then
+        pieces = (_grouped_ok(plan.profile, qd_, kc, vc)
+                  and _grouped.plans_own_pieces(d, hq // hkv, rows, kb + 1, hkv, plan.profile))
+        if pieces:
+            verdict = int_buffer("grouped.verdict", (rows, pieces))
+            skip = verdict
+        else:
+            verdict = None
+            skip = nv.reshape(rows, 1)
+            _page4.launch_plan(tok, cnt, tab, rid, lens, geometry, pages, nv, tl, plan.profile,
+                               stream, r)
         planned = launch.mark()
-        grouped = _launch_grouped_route(qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od,
-                                        plan.profile, stream, r, bufs, empty_rows=False)
+        grouped, attn = _launch_grouped_route(
+            qd_, kc, vc, pages, nv, tl, tok, rid, scale, o, lse, od, plan.profile, stream, r, bufs,
+            empty_rows=False, selection=(tok, cnt, tab, rid, lens, geometry) if pieces else None,
+            verdict=verdict)
         # A selection the plan cannot express as whole aligned groups plus one tail run (a hand-made
         # one; select() never makes such) left its row inert above: the generic kernel takes exactly
         # those rows (and the empty ones), so the route choice never changes which tokens a row
-        # attends to. Beside the grouped kernels' rows (disjoint), it waits for the plan only.
-        with launch.after(planned if grouped else None):
+        # attends to. Beside the grouped kernels' rows (disjoint), it waits for the plan only, or,
+        # where the direct blocks planned themselves, for their verdicts (beside the merge).
+        with launch.after((attn if pieces else planned) if grouped else None):
             _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse,
-                                      plan.profile, stream, skip=nv)
+                                      plan.profile, stream, skip=skip)
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
