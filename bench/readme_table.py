@@ -16,6 +16,14 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN, END = "<!-- PERF-TABLE:BEGIN -->", "<!-- PERF-TABLE:END -->"
+
+
+def _rev(doc):
+    """The record's revision, a full commit hash shortened to git's 7 characters."""
+    rev = str(doc.get("git_rev"))
+    return rev[:7] if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else rev
+
+
 COLS = (("numqsa", "numqsa"), ("trtllm", "TensorRT-LLM"), ("sglang", "SGLang"),
         ("torch", "PyTorch eager"), ("sdpa", "dense SDPA"))
 
@@ -43,7 +51,7 @@ def table(doc):
     dev = doc["device"]
     lines = [f"`{doc.get('command', 'python3 bench/run.py')}` on {dev.get('name')} (cc "
              f"{'.'.join(map(str, dev.get('cc', [])))}, driver {dev.get('driver')}), revision "
-             f"`{doc.get('git_rev')}`; GPU-only ms (median of 20, L2 flushed, behind a spin kernel). "
+             f"`{_rev(doc)}`; GPU-only ms (median of 20, L2 flushed, behind a spin kernel). "
              f"The ratio is numqsa's GPU time over the fastest peer's (dense SDPA excluded); "
              f"`bench/results/latest.json` has end-to-end times, TFLOP/s, GB/s, floors and checks.",
              "",
@@ -94,7 +102,7 @@ def summary(doc):
         ratio[r["case"]][r["stage"]] = f"{v:.2f}" if r["ok"] and v else ("**FAIL**" if not r["ok"] else "")
     dev = doc["device"]
     lines = [f"numqsa's GPU time over the fastest peer's (TensorRT-LLM, SGLang, PyTorch eager; below 1 "
-             f"is faster) on {dev.get('name')}, revision `{doc.get('git_rev')}` "
+             f"is faster) on {dev.get('name')}, revision `{_rev(doc)}` "
              f"(`{doc.get('command', 'python3 bench/run.py')}`); every time, peer and check is in "
              f"[docs/benchmark.md](docs/benchmark.md#latest-record).",
              "",
