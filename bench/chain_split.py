@@ -3,10 +3,11 @@ its first 1, 2, ... launches (the differences are each launch's marginal cost in
 launch gap included), for each launch shape of ``--tune`` (``grouped.TUNING`` variants that keep
 the bits: e.g. ``ds=1;ds=2;ds=4``), each checked bitwise against the first.
 
-    python3 bench/chain_split.py --cases 1x32K,16x32K --tune 'ds=2;ds=4' [--iters 200]
+    python3 bench/chain_split.py --cases 1x32K,16x32K --tune 'ds=2;ds=4' [--iters 200] [--hq 12 --hkv 1]
 
 GPU-only ms (CUDA events around one graph launch queued behind a spin kernel, median of
-``--iters``). Rows as ``bench_attention.make_workload`` (page 64 in random order, Hq 6 / D 256).
+``--iters``). Rows as ``bench_attention.make_workload`` (page 64 in random order, D 256; Hq 6 and
+Hkv 1 unless ``--hq``/``--hkv`` say otherwise).
 With ``--floor`` each variant's line is followed by the same graph prefixes of empty kernels of
 the recorded grids and blocks (the graph edges as recorded): what a node costs here before it does
 any work.
@@ -28,6 +29,8 @@ def main():
     ap.add_argument("--cases", default="1x32K,16x32K")
     ap.add_argument("--tune", default="")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--hq", type=int, default=6)
+    ap.add_argument("--hkv", type=int, default=1)
     ap.add_argument("--floor", action="store_true",
                     help="also time empty kernels of the same grids")
     args = ap.parse_args()
@@ -40,6 +43,7 @@ def main():
     from numqsa.kernels import grouped
     from numqsa.stages.attention import attention_launch
     spin = spin_kernel()
+    BA.HQ, BA.HKV = args.hq, args.hkv
 
     @cuda.jit
     def empty():
