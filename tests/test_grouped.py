@@ -365,3 +365,30 @@ def test_gpu_grouped_fused_equals_split(seed, monkeypatch):
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
     _assert_rows_match_oracle(w, np.r_[0, 511, 1023], results[1][0])
+
+
+def test_grouped_direct_blocks_write_every_slot(rng, monkeypatch):
+    """Self-planned direct blocks write every slot of every row, blank past a row's pieces, in rows
+    without pages and beside a rejected piece (``blank_piece``), so that their merge loads the
+    page count and all slots in one round trip: partials poisoned with NaN between two runs are
+    all overwritten, and the second run's bits are the first's."""
+    from numqsa.stages.attention import attention_launch
+    p = small_problem(rng, [120, 40], None, positions=[110, 65, 50, -3, 39, 98],
+                      req_ids=[0, 0, 3, 0, 1, 0])
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=26)
+    tokens[0, 5] += 1                        # a row the plan cannot express: a rejected piece
+    _launch_shape(monkeypatch, 1)
+    ws = numqsa.Workspace()
+    args = [p["q"], p["k_cache"], p["v_cache"], p["block_table"], tokens, counts, p["req_ids"],
+            p["seq_lens"]]
+    first = attention_launch(*args, route_name="page4", workspace=ws, validate=False)
+    parts = [ws._scratch.kept(f"grouped.part_{x}") for x in ("o", "ml")]
+    assert all(b is not None for b in parts) and parts[0].shape[2] > 1, "no merge ran"
+    for b in parts:
+        b.copy_to_device(np.full(b.shape, np.nan, np.float32))
+    second = attention_launch(*args, route_name="page4", workspace=ws, validate=False)
+    for b in parts:
+        assert not np.isnan(b.copy_to_host()).any()
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check(p, tokens, counts, *second)

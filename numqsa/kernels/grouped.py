@@ -927,12 +927,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         """The lane's Q^T fragments: head ``h0 + g``, dims ``8 ks + 4 jj + t`` (words) of its
         k-steps ``ks`` (every one; in a D split those of parity ``pr``), zeros where not ``ok``
         (lanes past the heads, rows without work)."""
+        # one unsigned base index (numba wraps no negative index then), immediate offsets
+        base = uint64(int64(row) * qs0 + int64(h0 + g) * qs1 + int64(uint32(8) * pr + t))
         for i in range(NKS // QST):
             for jj in range(2):
                 wq = U0
                 if ok:
-                    wq = uint32(qw[row * qs0 + int32(h0 + g) * qs1 + int32(8 * QST * i + 4 * jj)
-                                   + int32(8) * int32(pr) + int32(t)])
+                    wq = uint32(qw[base + uint64(8 * QST * i + 4 * jj)])
                 qf[2 * i + jj] = wq
 
     @device_jit(forceinline=True)
@@ -948,30 +949,39 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             pre[i] = w
 
     @device_jit(forceinline=True)
-    def plan_piece(su, tokens, counts, table, req_ids, seq_lens, geometry, slots, row, piece, tid):
-        """The page-4 plan of the block's piece (``self_plan``): thread ``tid`` checks the piece's
-        page ``tid`` and stages its ``(physical page, first slot)`` in ``su``; its ids, the row's
-        metadata and then its table entry are loaded together (two round trips, as in the plan
-        kernel). Returns the row's ``(num_vpages, tail_len)`` (``(0, 0)`` for a row the plan cannot
-        express as a whole) and whether the piece passed (a block barrier)."""
+    def piece_ids(ids, tokens, counts, req_ids, row, piece, tid):
+        """The first round trip of the block's own plan (``self_plan``), issued before anything
+        else: thread ``tid``'s ids of the piece's page ``tid`` and the one before it (``ids[0]``,
+        its last id; clamped into the row, -1 past ``OWNMAX`` threads), the row's request and its
+        count of ids. Returns ``(req, n)``."""
         width = int32(tokens.shape[1])
-        req = int32(req_ids[row])
-        n = int32(counts[row])
-        v = uint32(piece * int32(PA)) + tid
-        ids = cuda.local.array(5, int32)
+        ur = uint32(row)
         for x in range(5):
             ids[x] = int32(-1)
-            if tid < uint32(OWNMAX) and width > int32(0):
-                ids[x] = int32(tokens[row, min(max(int32(U4 * v) + int32(x - 1), int32(0)),
-                                               width - int32(1))])
+        if tid < uint32(OWNMAX) and width > int32(0):
+            v4 = int32(U4 * (uint32(piece * int32(PA)) + tid))
+            for x in range(5):
+                ids[x] = int32(tokens[ur, uint32(min(max(v4 + int32(x - 1), int32(0)),
+                                                     width - int32(1)))])
+        return int32(req_ids[ur]), int32(counts[ur])
+
+    @device_jit(forceinline=True)
+    def plan_piece(su, ids, req, n, width, table, seq_lens, geometry, slots, piece, tid):
+        """The rest of the block's own plan (``self_plan``; :func:`piece_ids` loaded ``ids``,
+        ``req`` and ``n``): thread ``tid`` checks the piece's page ``tid`` and stages its
+        ``(physical page, first slot)`` in ``su``; the request's length and the page's table entry
+        are the second round trip, as in the plan kernel. Returns the row's
+        ``(num_vpages, tail_len)`` (``(0, 0)`` for a row the plan cannot express as a whole) and
+        whether the piece passed (a block barrier)."""
+        v = uint32(piece * int32(PA)) + tid
         ps = int32(geometry[1])
         cols = int32(table.shape[1])
         slen = int32(0)
         pg = int32(-1)
         if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(table.shape[0]):
-            slen = int32(seq_lens[req])
+            slen = int32(seq_lens[uint32(req)])
             if tid < uint32(OWNMAX) and ids[1] >= int32(0) and ids[1] // ps < cols:
-                pg = int32(table[req, ids[1] // ps])
+                pg = int32(table[uint32(req), uint32(ids[1] // ps)])
         nv, tail = row_pages(n, width, slen, slots)
         k0, k1 = _piece_range(int32(nv), piece, PA)
         ok = True
@@ -986,15 +996,17 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         return int32(nv), int32(tail), cuda.syncthreads_or(int32(0 if ok else 1)) == 0
 
     @device_jit(forceinline=True)
-    def rejected_piece(lane, row, h0, nh, part_o, part_ml, slot, d0):
-        """A piece the plan would reject (``self_plan``): zeros in its ``O`` partial and
-        ``(m, l) = (-inf, -1)``, which tells the merge to leave the row."""
+    def blank_piece(lane, row, h0, nh, part_o, part_ml, slot, d0, l):
+        """A slot without a piece's partial (``self_plan``): zeros in ``O`` and ``(m, l) =
+        (-inf, l)``: ``l = -1`` for a piece the plan would reject, which tells the merge to leave
+        the row; ``l = 0`` for a slot past the row's pieces (or of a row without pages), which the
+        merge loads beside the others but never folds."""
         g = lane >> U2
         hA = U2 * (lane & U3)
         for i in range(2):
             if hA + uint32(i) < nh:
                 part_ml[row, h0 + hA + uint32(i), slot, 0] = NEG_INF
-                part_ml[row, h0 + hA + uint32(i), slot, 1] = float32(-1)
+                part_ml[row, h0 + hA + uint32(i), slot, 1] = l
         for mt in range(NMT):
             for i in range(4):
                 hh = hA + (uint32(i) & U1)
@@ -1209,24 +1221,33 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             # the plan's outputs: the piece's page ids (at most OWNMAX entries from its first,
             # every one written by the plan) beside the row's page count, which says how many of
             # them are the piece's; then the barriers
-            load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
+            y = int32(cuda.blockIdx.y)
             if SELF:
-                nv, tl, passed = plan_piece(su, tokens, counts, table, req_ids, seq_lens, geometry,
-                                            int32(pages.shape[1]), first, int32(cuda.blockIdx.y),
-                                            tid)
+                # the plan's first round trip before q's loads, the ring's set-up before its
+                # barrier (the one block barrier before the first copy)
+                ids = cuda.local.array(5, int32)
+                req, n = piece_ids(ids, tokens, counts, req_ids, first, y, tid)
+                load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
+                init_ring(bar, tid)
+                nv, tl, passed = plan_piece(su, ids, req, n, int32(tokens.shape[1]), table,
+                                            seq_lens, geometry, int32(pages.shape[1]), y, tid)
                 if tid == U0 and j == U0:
-                    verdict[first, cuda.blockIdx.y] = nv if passed else int32(0)   # the generic's
-                    if cuda.blockIdx.y == 0:
+                    verdict[first, y] = nv if passed else int32(0)   # the generic's
+                    if y == int32(0):
                         num_vpages[first] = nv        # the merge's
+                # every slot of the row is written: the merge loads them all at once
+                npa0 = max(int32(1), nv // int32(PA))
+                if live and PARTS and (not passed or nv == int32(0) or y >= npa0):
+                    blank_piece(lane, first, h0, nh, part_o, part_ml, y, d0,
+                                float32(-1) if not passed and y < npa0 else F0)
                 if not passed:
-                    if live and PARTS and int32(cuda.blockIdx.y) < max(int32(1), nv // int32(PA)):
-                        rejected_piece(lane, first, h0, nh, part_o, part_ml,
-                                       int32(cuda.blockIdx.y), d0)
                     nv = int32(0)
                 live = live and nv > int32(0)
-            elif STAGE_U:
-                prefetch_pages(pre, pages, first, int32(cuda.blockIdx.y) * int32(PA), tid)
-            init_ring(bar, tid)
+            else:
+                load_q(qf, qw, qs0, qs1, row, h0, g, t, live and g < nh, dh & U1)
+                if STAGE_U:
+                    prefetch_pages(pre, pages, first, y * int32(PA), tid)
+                init_ring(bar, tid)
             if PDL == 1:
                 grid_dep_launch()
         if SELF:
@@ -1270,7 +1291,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             else:
                 nstream0 = int32(wmeta[win, span_, 0])
                 solo = uint32(wmeta[win, span_, 1])
-            cuda.syncthreads()         # the previous span's tables are read no more
+            if not SELF:               # (self-planned: one span, staged before plan_piece's barrier)
+                cuda.syncthreads()     # the previous span's tables are read no more
             if writer and ht == U0 and not DIRECT:
                 for x in range(kstart + int32(lane), kend, int32(32)):
                     sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
@@ -1284,7 +1306,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             elif STAGE_U:
                 for x in range(tid, uint32(2 * nstream0), UNT):
                     su[x >> U1, x & U1] = wunion[win, span_, x >> U1, x & U1]
-            cuda.syncthreads()
+            if not SELF:
+                cuda.syncthreads()
             nph = int32(1) + int32(cuda.popc(solo))
             rest_ = solo
             for ph in range(nph):
@@ -1418,8 +1441,9 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
     ``pdl``: launched programmatically behind the attention kernel (sm_90): the row's page count
     (the page-4 plan's, complete before that kernel began) is read first, then
     ``griddepcontrol.wait`` until the attention kernel's partials are complete and visible.
-    ``self_plan``: the page count is the direct blocks' own (read after the wait), and a row with
-    a rejected piece (``l = -1`` in any slot) is left to the generic kernel."""
+    ``self_plan``: the page count is the direct blocks' own, read after the wait beside every slot
+    (the blocks write all of them, blank past the row's pieces: one round trip); a row with a
+    rejected piece (``l = -1`` in any slot) is left to the generic kernel."""
     D, PA, PC, NP, NS = (int(v) for v in (d, piece, span, npieces, nspans))
     DIRECT = bool(direct)
     PDL = bool(pdl)
@@ -1440,28 +1464,33 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
         row = uint32(cuda.blockIdx.x)
         h = uint32(cuda.blockIdx.y)
         dd = uint32(cuda.threadIdx.x)
+        ov = cuda.local.array(NL, float32)
         nv = int32(0)
         if not SELF:
             nv = int32(num_vpages[row])
         if PDL:
             grid_dep_wait()
         if SELF:
+            # every slot written (blank past the row's pieces): the page count and all the slots
+            # in one round trip after the wait
             nv = int32(num_vpages[row])
-        if nv <= int32(0) or part_ml[row, h, 0, 1] < F0:     # no tokens: written by the kernel
+        elif nv <= int32(0) or part_ml[row, h, 0, 1] < F0:     # no tokens: written by the kernel
             return
         nsp = max(int32(1), nv // int32(PC))
         nsl = max(int32(1), nv // int32(PA)) if DIRECT else nsp
-        ov = cuda.local.array(NL, float32)
+        last = int32(NL - 1) if SELF else nsl - int32(1)     # else: no read of an unwritten slot
         for x in range(NL):
-            ov[x] = part_o[row, h, min(int32(x), nsl - int32(1)), dd]
+            ov[x] = part_o[row, h, min(int32(x), last), dd]
         for x in range(dd, NL, UD):
-            q = min(int32(x), nsl - int32(1))
+            q = min(int32(x), last)
             sm[x] = part_ml[row, h, q, 0]
             sl[x] = part_ml[row, h, q, 1]
         cuda.syncthreads()
         if SELF:
-            for x in range(1, NL):
-                if x < nsl and sl[x] < F0:           # a rejected piece: the generic kernel's row
+            if nv <= int32(0):                      # no tokens, or the plan's leaving: the
+                return                              # generic kernel's row
+            for x in range(NL):
+                if x < nsl and sl[x] < F0:          # a rejected piece: the generic kernel's row
                     return
         mx = row_max(sm, nsl)
         for x in range(dd, NL, UD):
@@ -1626,19 +1655,19 @@ def launch_grouped(q, k_cache, v_cache, pages, num_vpages, tail_len, tokens, req
     # union windows: a span's (m, l) alternate with a second slot while its pieces are folded
     part_ml = buffers("grouped.part_ml", (held, hq, nslots if direct else 2 * nslots, 2),
                       np.float32)
-    i64 = np.int64
-    args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][2]),
-            i64(vv[1][0]), i64(vv[1][2]),
-            pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
-            part_o, part_ml)
     if self_plan:
         # the row's page count for the merge: the direct blocks' own
         num_vpages = buffers("grouped.num_vpages", (rows,), np.int32)
         sel = tuple(selection) + (verdict,)
     else:
         sel = (windows,) * 7           # not read
+    i64 = np.int64
+    args = (qv[0], i64(qv[1][0]), i64(qv[1][1]), kv[0], vv[0], i64(kv[1][0]), i64(kv[1][2]),
+            i64(vv[1][0]), i64(vv[1][2]),
+            pages, num_vpages, tail_len, windows, wunion, wmeta, ownu, np.float32(scale), ob, lse,
+            part_o, part_ml)
     _launch_dynamic(k, (nwin, 1 if fused else nslots, hkv), k.threads, stream, cfg.smem_bytes,
-                    args[:10] + (num_vpages,) + args[11:] + (np.int32(fused), np.int32(nslots)) + sel)
+                    args + (np.int32(fused), np.int32(nslots)) + sel)
     attn = mark()
     if nslots > 1 and not fused:
         km = make_merge_kernel(int(d), ok, pc, span, npieces, nspans, direct, pdl > 0, self_plan)

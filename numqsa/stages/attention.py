@@ -11,10 +11,11 @@ the stage's two halves as public functions: each mirrors its :mod:`oracle` names
 argument, adding ``out=``, ``stream=`` (and ``out_dtype=`` for the attention outputs).
 
 Routes, one per problem layout and never by row count (a row's bits must not depend on its batch):
-the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and the page-4 plan
-plus a grouped tensor-core kernel: :mod:`numqsa.kernels.grouped` on sm_80+ (16-byte aligned caches), else the
-m8n8k4 / element-load kernel of :mod:`numqsa.kernels.page4`. ``NUMQSA_PAGE4=0`` forces the generic
-route.
+the generic kernel (:mod:`numqsa.kernels.attention`, any selection, fp32 FMA) and the page-4 route:
+:mod:`numqsa.kernels.grouped` on sm_80+ (16-byte aligned caches; behind the page-4 plan, except
+direct one-row windows, whose blocks plan their own pieces with the plan's checks), else the page-4
+plan and the m8n8k4 / element-load kernel of :mod:`numqsa.kernels.page4`. ``NUMQSA_PAGE4=0`` forces
+the generic route.
 """
 import numpy as np
 
