@@ -197,19 +197,21 @@ def test_grouped_direct_blocks_plan_their_pieces(rng, monkeypatch):
 
 def test_grouped_direct_programmatic_merge(rng, monkeypatch):
     """Direct blocks with their merge launched programmatically (``TUNING["pdl"]`` 1 and 2: the
-    blocks trigger it early or after their stores): recorded, the merge is the one programmatic
-    launch and its one dependency is the attention kernel (the graph edge from its programmatic
-    port); run, the bits are those without (the merge's ``griddepcontrol.wait`` and the blocks'
-    trigger change no arithmetic)."""
+    blocks trigger it early or after their stores): recorded, the merge and the generic kernel
+    (which reads the self-planned blocks' verdicts) are the programmatic launches and their one
+    dependency is the attention kernel (the graph edges from its programmatic port); run, the bits
+    are those without (the ``griddepcontrol.wait`` and the blocks' trigger change no arithmetic)."""
     from numqsa import launch
     for pdl, (_, records, names) in zip((0, 1, 2), _direct_runs(rng, monkeypatch, "pdl", (0, 1, 2))):
         marked = [i for i, r in enumerate(records) if r.programmatic]
         if not pdl:
             assert not marked
             continue
-        assert len(marked) == 1 and names[marked[0]].startswith("grouped_merge"), names
-        deps = launch.graph_dependencies(records)[marked[0]]
-        assert [names[i] for i in deps] == [n for n in names if n.startswith("grouped_attn")]
+        attn = [n for n in names if n.startswith("grouped_attn")]
+        assert sorted(names[i].split("_")[0] for i in marked) == ["grouped", "sparse"], names
+        assert any(names[i].startswith("grouped_merge") for i in marked), names
+        for i in marked:
+            assert [names[x] for x in launch.graph_dependencies(records)[i]] == attn
 
 
 @pytest.mark.parametrize("hq,d", [(6, 64), (12, 64), (3, 32)])

@@ -30,6 +30,7 @@ from numba import cuda, float32, int32, uint32
 
 from ..jit import SIMULATOR, jit
 from .common import bits16, is_bf16, loader, storer
+from .smem import grid_dep_wait
 
 __all__ = ["make_attention_kernel", "launch_attention", "attention_tile", "RESOURCE_CASES"]
 
@@ -50,7 +51,7 @@ def _smem_bytes(d, hg, tile):
 
 
 @functools.lru_cache(maxsize=None)
-def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=False):
+def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=False, pdl=False):
     """Kernel over grid ``(rows, Hkv)``; block = ``threads`` threads = one (row, KV head) pair.
 
     ``q_bf16`` / ``kv_bf16`` / ``out_bf16``: that array is bfloat16 passed as uint16 bits.
@@ -67,10 +68,13 @@ def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=
     elements they multiply (``0 * inf`` is NaN). A token listed twice is weighted twice.
     Before anything, the row's token ids are checked (``0 <= t < seq_len``, table column and page
     id in range): any bad id makes the row inert, so the kernel never reads out of bounds.
+    ``pdl``: launched programmatically behind the kernel that writes ``skip`` (sm_90): the block
+    waits for that kernel's completion (``griddepcontrol.wait``) before anything else.
     Shared memory: ``4*(hg*d + T*(d+1) + T*d + hg*T + hg*T/4 + 2T) + 4`` bytes
     (hg 6, d 256, T 16: 39.8 KB; hg 12, d 256: 45.9 KB -> T 8).
     """
     D, HG, NT = int(d), int(hg), int(threads)
+    PDL = bool(pdl)
     T = attention_tile(D, HG)
     NCH = T // CHUNK
     DP = D + 1
@@ -97,6 +101,8 @@ def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=
         tid = uint32(cuda.threadIdx.x)
         row = uint32(cuda.blockIdx.x)
         j = uint32(cuda.blockIdx.y)
+        if PDL:
+            grid_dep_wait()
         if row < uint32(skip.shape[0]):
             # already written by the page-4 route when every entry of the row is > 0 (block-uniform)
             done = True
@@ -239,7 +245,8 @@ def make_attention_kernel(d, hg, threads, q_bf16=False, kv_bf16=False, out_bf16=
                     o = acc[i] / sp[h, 0]
                 out[row, j * UHG + h, dd] = st(o)
 
-    tag = "".join(n for n, b in (("_qb", q_bf16), ("_kvb", kv_bf16), ("_ob", out_bf16)) if b)
+    tag = "".join(n for n, b in (("_qb", q_bf16), ("_kvb", kv_bf16), ("_ob", out_bf16),
+                                 ("_pdl", PDL)) if b)
     kernel.__name__ = f"sparse_attention_d{D}_g{HG}_t{NT}{tag}"
     kernel.__qualname__ = kernel.__name__
     k = jit(kernel)
@@ -254,13 +261,14 @@ def generic_threads(profile):
 
 
 def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, seq_lens, scale,
-                     out, lse, profile, stream, skip=None):
+                     out, lse, profile, stream, skip=None, pdl=False):
     """Generic route on device arrays; ``out [rows, Hq, D]`` and ``lse [rows, Hq]`` float32 are written.
 
     ``skip`` (int32 ``[rows, n]``, optional): rows whose ``n`` entries are all ``> 0`` are left as
     they are (the page-4 route passes its plan's page counts, ``n = 1``, or the verdicts of direct
     blocks that planned their own pieces, one a piece; so only the rows it could not plan are
-    computed here).
+    computed here). ``pdl``: the kernel is launched programmatically behind the one that writes
+    ``skip`` (:func:`numqsa.launch.programmatic`) and waits for it first.
     """
     from .. import device as dev
     rows, hq, d = q.shape
@@ -270,7 +278,7 @@ def launch_attention(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
     if rows == 0:
         return out, lse
     k = make_attention_kernel(int(d), int(hq // hkv), generic_threads(profile), is_bf16(q),
-                              is_bf16(k_cache), is_bf16(out))
+                              is_bf16(k_cache), is_bf16(out), bool(pdl))
     k[(rows, hkv), k.threads, stream](bits16(q), bits16(k_cache), bits16(v_cache), block_table,
                                       tokens, counts, req_ids, seq_lens, np.float32(scale),
                                       bits16(out), lse, skip)

@@ -1451,6 +1451,7 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
     R = PC // PA if DIRECT else 1         # slots of a span (the row's last span takes the rest)
     NL = NP if DIRECT else NS             # slots a row can have
     UD = uint32(D)
+    U0, U1 = uint32(0), uint32(1)
     F0 = float32(0)
     conv = _out_conv(out_kind)
     span_start, row_max, fold_slots = _make_fold(NL, R)
@@ -1474,32 +1475,36 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
             # every slot written (blank past the row's pieces): the page count and all the slots
             # in one round trip after the wait
             nv = int32(num_vpages[row])
-        elif nv <= int32(0) or part_ml[row, h, 0, 1] < F0:     # no tokens: written by the kernel
+        elif nv <= int32(0) or part_ml[row, h, U0, U1] < F0:   # no tokens: written by the kernel
             return
         nsp = max(int32(1), nv // int32(PC))
         nsl = max(int32(1), nv // int32(PA)) if DIRECT else nsp
-        last = int32(NL - 1) if SELF else nsl - int32(1)     # else: no read of an unwritten slot
+        # else no read of an unwritten slot; unsigned indices: no negative-index wrap
+        last = uint32(NL - 1) if SELF else uint32(nsl - int32(1))
         for x in range(NL):
-            ov[x] = part_o[row, h, min(int32(x), last), dd]
-        for x in range(dd, NL, UD):
-            q = min(int32(x), last)
-            sm[x] = part_ml[row, h, q, 0]
-            sl[x] = part_ml[row, h, q, 1]
-        cuda.syncthreads()
+            ov[x] = part_o[row, h, min(uint32(x), last), dd]
+        bad = int32(0)
+        for x in range(dd, uint32(NL), UD):     # (one pass where NL <= D: thread x, slot x)
+            q = min(x, last)
+            sm[x] = part_ml[row, h, q, U0]
+            sl[x] = part_ml[row, h, q, U1]
+            if x < uint32(nsl) and sl[x] < F0:
+                bad = int32(1)                  # a rejected piece (self-planned blocks)
         if SELF:
-            if nv <= int32(0):                      # no tokens, or the plan's leaving: the
-                return                              # generic kernel's row
-            for x in range(NL):
-                if x < nsl and sl[x] < F0:          # a rejected piece: the generic kernel's row
-                    return
-        mx = row_max(sm, nsl)
-        for x in range(dd, NL, UD):
-            if x < nsl:
+            # no tokens, the plan's leaving, or a rejected piece: the generic kernel's row
+            if cuda.syncthreads_or(bad) != 0 or nv <= int32(0):
+                return
+        else:
+            cuda.syncthreads()
+        mx = NEG_INF
+        for x in range(dd, uint32(NL), UD):
+            mx = row_max(sm, nsl)
+            if x < uint32(nsl):
                 _slot_weights(sm, sa, sb, sw, int32(x), span_start(int32(x), nsp), mx)
         cuda.syncthreads()
         acc, lsum = fold_slots(ov, sl, sa, sb, sw, nsl, nsp)
         out[row, h, dd] = conv(_fold_finish(acc, lsum))
-        if dd == uint32(0):
+        if dd == U0:
             lse[row, h] = _fold_lse(mx, lsum)
 
     kernel.__name__ = (f"grouped_merge_d{D}_{out_kind}_n{NL}{'_direct' if DIRECT else ''}"
@@ -1526,30 +1531,42 @@ def _make_fold(nl, r):
     def row_max(sm, nsl):
         mx = NEG_INF
         for x in range(NL):
+            v = sm[x]
             if x < nsl:
-                mx = max(mx, sm[x])
+                mx = max(mx, v)
         return mx
 
     @device_jit(forceinline=True)
     def fold_slots(ov, sl, sa, sb, sw, nsl, nsp):
+        # every operand loaded and both steps formed, then selected (no branch between the
+        # shared loads: they issue together); a slot's step is the same expression either way
         ls = sl[0]
         o = ov[0]
         lsum = float32(0)
         acc = float32(0)
         for x in range(1, NL + 1):
-            if x <= nsl:
-                if x < nsl and span_start(int32(x), nsp) != int32(x):
-                    a = sa[x]
-                    b = sb[x]
-                    ls = _fold_step(ls, a, sl[x], b)
-                    o = _fold_step(o, a, ov[x], b)
-                else:
-                    w = sw[x - 1]
-                    lsum = _fold_add(lsum, ls, w)
-                    acc = _fold_add(acc, o, w)
-                    if x < nsl:
-                        ls = sl[min(x, NL - 1)]
-                        o = ov[min(x, NL - 1)]
+            xc = min(x, NL - 1)
+            a = sa[xc]
+            b = sb[xc]
+            lx = sl[xc]
+            ox = ov[xc]
+            w = sw[x - 1]
+            ls_step = _fold_step(ls, a, lx, b)
+            o_step = _fold_step(o, a, ox, b)
+            lsum_end = _fold_add(lsum, ls, w)
+            acc_end = _fold_add(acc, o, w)
+            on = int32(x) <= nsl
+            step = on and int32(x) < nsl and span_start(int32(x), nsp) != int32(x)
+            end = on and not step
+            if end:
+                lsum = lsum_end
+                acc = acc_end
+            if step:
+                ls = ls_step
+                o = o_step
+            elif end:
+                ls = lx
+                o = ox
         return acc, lsum
 
     return span_start, row_max, fold_slots

@@ -17,6 +17,7 @@ direct one-row windows, whose blocks plan their own pieces with the plan's check
 plan and the m8n8k4 / element-load kernel of :mod:`numqsa.kernels.page4`. ``NUMQSA_PAGE4=0`` forces
 the generic route.
 """
+import contextlib
 import numpy as np
 
 from oracle import validate as V
@@ -175,9 +176,15 @@ def attention_launch(q, k_cache, v_cache, block_table, tokens, counts, req_ids, 
         # those rows (and the empty ones), so the route choice never changes which tokens a row
         # attends to. Beside the grouped kernels' rows (disjoint), it waits for the plan only, or,
         # where the direct blocks planned themselves, for their verdicts (beside the merge).
-        with launch.after((attn if pieces else planned) if grouped else None):
+        # Behind self-planned blocks on sm_90 it is launched programmatically, as their merge is
+        # (``grouped.TUNING["pdl"]``): its launch overlaps them, and it waits for their verdicts
+        # in the kernel.
+        pdl = bool(pieces and grouped and dev.device_cc() >= (9, 0)
+                   and int(_grouped.TUNING.get("pdl", _grouped.PDL)))
+        with launch.after((attn if pieces else planned) if grouped else None), \
+                launch.programmatic() if pdl else contextlib.nullcontext():
             _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse,
-                                      plan.profile, stream, skip=skip)
+                                      plan.profile, stream, skip=skip, pdl=pdl)
     else:
         _generic.launch_attention(qd_, kc, vc, tab, tok, cnt, rid, lens, scale, o, lse, plan.profile,
                                   stream)
