@@ -84,7 +84,9 @@ def _offline_device(cc):
         disp.get_current_device = saved
 
 
-def _link_log(kernel, sig, cc):
+def link(kernel, sig, cc):
+    """``(cubin bytes, link log)`` of ``kernel`` at ``sig`` for ``cc``, linked as numba links it at
+    launch (LTO), with no GPU (``bench/sass.py`` disassembles the cubin)."""
     from numba import cuda
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
@@ -110,8 +112,8 @@ def _link_log(kernel, sig, cc):
     linker = Linker(*objs, options=LinkerOptions(
         arch=f"sm_{cc[0]}{cc[1]}", verbose=True, link_time_optimization=True,
         max_register_count=opts.get("max_registers")))
-    linker.link("cubin")
-    return linker.get_info_log()
+    obj = linker.link("cubin")
+    return bytes(obj.code), linker.get_info_log()
 
 
 def _parse(log):
@@ -189,7 +191,7 @@ _JOBS = []      # (kernel, signature, cc) of the compiles a forked worker runs, 
 
 def _compile(i):
     kernel, sig, target = _JOBS[i]
-    return _parse(_link_log(kernel, sig, target))
+    return _parse(link(kernel, sig, target)[1])
 
 
 def _compile_all(jobs):

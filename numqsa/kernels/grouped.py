@@ -60,8 +60,8 @@ from ..launch import after, mark, programmatic
 from .common import bits16, is_bf16
 from .page4 import make_plan_checks
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
-from .smem import (shared_base, cp_async_16, cp_async_mbar_arrive, grid_dep_launch, grid_dep_wait,
-                   ldmatrix_x4, ldmatrix_x4_trans, mbar_arrive, mbar_init, mbar_test_wait,
+from .smem import (shared_base, ld_shared_i32, cp_async_16, cp_async_mbar_arrive, grid_dep_launch, grid_dep_wait,
+                   ldmatrix_x4, ldmatrix_x4_trans, mbar_arrive, mbar_init, mbar_ref, mbar_test_wait,
                    mbar_try_wait, movmatrix_trans, shfl_xor_f32, warp_any)
 
 __all__ = ["GroupedConfig", "grouped_config", "plans_own_pieces", "window_size", "takes_head_dim", "make_window_plan_kernel", "make_grouped_kernel",
@@ -223,13 +223,13 @@ def window_rows(hg, producers=PRODUCERS):
 @device_jit(forceinline=True)
 def _piece_range(nv, piece, pc):
     """(first page, end page) of piece ``piece`` of a row with ``nv`` pages (empty past its pieces)."""
-    npc = max(int32(1), nv // int32(pc))
+    npc = max(int32(1), int32(nv // int32(pc)))
     if piece >= npc:
         return int32(0), int32(0)
-    k0 = piece * int32(pc)
-    k1 = k0 + int32(pc)
-    if piece == npc - int32(1):
-        k1 = nv
+    k0 = int32(piece * int32(pc))   # (int32 sums: numba's int32 + int32 is int64, and these
+    k1 = int32(k0 + int32(pc))      # bounds meet every page of the chunk loop)
+    if piece == int32(npc - int32(1)):
+        k1 = int32(nv)
     return k0, k1
 
 
@@ -481,19 +481,19 @@ def _page_len(k, k1, nv, tl):
     """Valid tokens of own page ``k`` (0 past the piece end; the tail page has ``tl`` if > 0)."""
     if k >= k1:
         return int32(0)
-    if k == nv - int32(1) and tl > int32(0):
+    if k == int32(nv - int32(1)) and tl > int32(0):
         return tl
     return int32(4)
 
 
 @device_jit(forceinline=True)
-def _ring_row(x, solo_phase, sown, obase, ubase, rp_count):
+def _ring_row(x, solo_phase, sown, oaddr, ubase, rp_count):
     """Ring page holding the piece's own page ``x``: its stream index (union index, or ``x`` itself
     when solo) past the ``ubase`` pages streamed by earlier phases, modulo the ring. ``sown`` is
-    the block's flat table of own pages' union indices, this row's from ``obase``."""
+    the block's flat table of own pages' union indices, this row's from shared address ``oaddr``."""
     u = x
     if not solo_phase:
-        u = sown[uint32(obase + uint32(x))]
+        u = ld_shared_i32(sown, uint32(oaddr + uint32(4) * uint32(x)))
     return uint32(uint32(ubase) + uint32(u)) % uint32(rp_count)   # 32-bit: numba widens sums
 
 
@@ -810,13 +810,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     qk = qk_warp if DS == 1 else qk_split
 
     @device_jit(forceinline=True)
-    def row_addr(kk, kl, kstart, tr, solo_phase, sown, obase, ubase):
+    def row_addr(kk, kl, kstart, tr, solo_phase, sown, oaddr, ubase):
         """Word offset in the K region of token row ``tr & 3`` of own page ``min(kk, kl)``."""
-        rp = _ring_row(int32(min(kk, kl) - kstart), solo_phase, sown, obase, ubase, RP)
+        rp = _ring_row(int32(min(kk, kl) - kstart), solo_phase, sown, oaddr, ubase, RP)
         return uint32(4 * RW) * (rp * U4 + (tr & U3))
 
     @device_jit(forceinline=True)
-    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, obase, ubase,
+    def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, oaddr, ubase,
               scale, dcol, dh, xch, bar, xbi, nc):
         """One chunk (own pages k0 .. k0+7: two halves of 16 tokens): online-softmax update of
         ``oacc`` and ``ml``. The halves' products are independent chains; one max, one rescale.
@@ -833,12 +833,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         kl = int32(k1 - int32(1))
         pk = int32(k0 + int32(tk >> U2))
         pv_ = int32(k0 + int32(tv >> U2))
-        kbase0 = uint32(sb + row_addr(pk, kl, kstart, tk, solo_phase, sown, obase, ubase))
-        kbase1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, solo_phase, sown, obase,
+        kbase0 = uint32(sb + row_addr(pk, kl, kstart, tk, solo_phase, sown, oaddr, ubase))
+        kbase1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, solo_phase, sown, oaddr,
                                       ubase))
         vreg = uint32(sb + uint32(4 * VOFF) + dcol)
-        vbase0 = uint32(vreg + row_addr(pv_, kl, kstart, tv, solo_phase, sown, obase, ubase))
-        vbase1 = uint32(vreg + row_addr(int32(pv_ + int32(4)), kl, kstart, tv, solo_phase, sown, obase,
+        vbase0 = uint32(vreg + row_addr(pv_, kl, kstart, tv, solo_phase, sown, oaddr, ubase))
+        vbase1 = uint32(vreg + row_addr(int32(pv_ + int32(4)), kl, kstart, tv, solo_phase, sown, oaddr,
                                         ubase))
         hik = lane >> U4
         hiv = (lane >> U3) & U1
@@ -847,32 +847,33 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         kh0 = uint32(kbase0 + uint32(16) * hik)
         kh1 = uint32(kbase1 + uint32(16) * hik)
         xa, xb, ya, yb = qk(dyn, kh0, kh1, qf, scr, lane, dh, xch, bar, xbi, nc)
-        gp = int32(g >> U2)
-        la = _page_len(int32(k0 + gp), k1, nv, tl)
-        lb = _page_len(int32(k0 + int32(2) + gp), k1, nv, tl)
-        lc = _page_len(int32(k0 + int32(4) + gp), k1, nv, tl)
-        ld = _page_len(int32(k0 + int32(6) + gp), k1, nv, tl)
-        tg = int32(g & U3)
-        s0 = NEG_INF
-        s1 = NEG_INF
-        s2 = NEG_INF
-        s3 = NEG_INF
-        s4 = NEG_INF
-        s5 = NEG_INF
-        s6 = NEG_INF
-        s7 = NEG_INF
-        if tg < la:
-            s0 = (xa[0] + xb[0]) * scale
-            s1 = (xa[1] + xb[1]) * scale
-        if tg < lb:
-            s2 = (xa[2] + xb[2]) * scale
-            s3 = (xa[3] + xb[3]) * scale
-        if tg < lc:
-            s4 = (ya[0] + yb[0]) * scale
-            s5 = (ya[1] + yb[1]) * scale
-        if tg < ld:
-            s6 = (ya[2] + yb[2]) * scale
-            s7 = (ya[3] + yb[3]) * scale
+        s0 = (xa[0] + xb[0]) * scale
+        s1 = (xa[1] + xb[1]) * scale
+        s2 = (xa[2] + xb[2]) * scale
+        s3 = (xa[3] + xb[3]) * scale
+        s4 = (ya[0] + yb[0]) * scale
+        s5 = (ya[1] + yb[1]) * scale
+        s6 = (ya[2] + yb[2]) * scale
+        s7 = (ya[3] + yb[3]) * scale
+        # a chunk of 8 whole pages (every chunk but a row's last): every token counts. Else the
+        # tokens past a page's length are -inf (k0..k0+7 are the same in every lane: no divergence)
+        k7 = int32(k0 + int32(CHUNK - 1))
+        full = k7 < kl or (k7 == kl and (k1 < nv or tl == int32(0)))
+        if not full:
+            gp = int32(g >> U2)
+            tg = int32(g & U3)
+            if tg >= _page_len(int32(k0 + gp), k1, nv, tl):
+                s0 = NEG_INF
+                s1 = NEG_INF
+            if tg >= _page_len(int32(k0 + int32(2) + gp), k1, nv, tl):
+                s2 = NEG_INF
+                s3 = NEG_INF
+            if tg >= _page_len(int32(k0 + int32(4) + gp), k1, nv, tl):
+                s4 = NEG_INF
+                s5 = NEG_INF
+            if tg >= _page_len(int32(k0 + int32(6) + gp), k1, nv, tl):
+                s6 = NEG_INF
+                s7 = NEG_INF
         m0 = ml[0]
         m1 = ml[1]
         mn0 = max(m0, _col_max(max(max(s0, s2), max(s4, s6)), lane, scr))
@@ -908,9 +909,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 oacc[4 * x + 2] *= al0
                 oacc[4 * x + 3] *= al1
         # V rows past a partial page's tokens must not reach O (0 * NaN): masked, but only in the
-        # chunk that has such a page (a row's last); k0..k0+7 are the same in every lane
-        k7 = int32(k0 + int32(CHUNK - 1))
-        if k7 < kl or (k7 == kl and (k1 < nv or tl == int32(0))):
+        # chunk that has such a page (a row's last)
+        if full:
             pv_full(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, U0, U0, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
@@ -1183,7 +1183,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                windows, wunion, wmeta, ownu, scale, out, lse, part_o, part_ml, fused, nspans,
                tokens, counts, table, req_ids, seq_lens, geometry, verdict):
         dyn = cuda.shared.array(0, uint32)
-        bar = cuda.shared.array(NBAR, uint64)          # full[0..NB-1], empty[0..NB-1], exchanges
+        # full[0..NB-1], empty[0..NB-1], exchanges; the calls take its shared address, formed once
+        bar = mbar_ref(cuda.shared.array(NBAR, uint64))
         xall = cuda.shared.array(XSH, float32)
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
         sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
@@ -1276,6 +1277,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
         sb = shared_base(dyn)
         obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
+        oaddr = uint32(shared_base(sown) + uint32(4) * obase)   # (read through 32-bit addresses)
         if not DIRECT:
             init_ring(bar, tid)
 
@@ -1370,8 +1372,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                             ka = int32(c - kstart)
                             kz = int32(min(int32(c + int32(CHUNK - 1)), kl) - kstart)
                             if ph == 0 and not DIRECT:
-                                ka = sown[uint32(obase + uint32(ka))]
-                                kz = sown[uint32(obase + uint32(kz))]
+                                ka = ld_shared_i32(sown, uint32(oaddr + uint32(4) * uint32(ka)))
+                                kz = ld_shared_i32(sown, uint32(oaddr + uint32(4) * uint32(kz)))
                             # stages of the chunk's first and last pages
                             lo = int32(gs0 + int32(uint32(ka) // uint32(SP)))
                             hi = int32(gs0 + int32(uint32(kz) // uint32(SP)))
@@ -1382,7 +1384,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                                 wait_full(bar, hi)
                                 waited = hi
                             chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, k1, nv, tl,
-                                  ph > 0 or DIRECT, sown, obase, int32(gs0 * int32(SP)), scale,
+                                  ph > 0 or DIRECT, sown, oaddr, int32(gs0 * int32(SP)), scale,
                                   uint32(2) * d0, dh, xch, bar, uint32(2 * NB) + ht, nc)
                             c = int32(c + int32(CHUNK))
                             nc = int32(nc + int32(1))

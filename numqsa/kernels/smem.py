@@ -2,7 +2,8 @@
 
 Shared memory is addressed by 32-bit byte addresses in the shared window: ``shared_base(arr)`` is
 that of ``arr[0]`` (0 in the simulator, where an address is a byte offset into ``arr``), so index
-arithmetic stays 32-bit.
+arithmetic stays 32-bit. ``ld_shared_i32(arr, addr)`` loads the int32 at such an address of
+``arr`` (an array's own indexing forms its generic address again at every load).
 
 - ``cp_async_16(dst, daddr, src, si, nbytes)``: copy 16 bytes ``src[si:si+4]`` (global, uint32
   words) to shared address ``daddr`` (in the array ``dst``) asynchronously (``cp.async.cg``, sm_80+, bypasses L1);
@@ -18,7 +19,9 @@ arithmetic stays 32-bit.
   columns ``2t, 2t+1``) transposed in registers (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+).
 - ``shfl_xor_f32(x, mask, scratch, lane)``: ``x`` of lane ``lane ^ mask``.
 - ``warp_any(pred, scratch, lane)``: whether ``pred`` holds in any lane of the warp (``vote.any``).
-- mbarriers (sm_80+), ``bar`` a shared ``uint64`` array and ``i`` the barrier's index in it:
+- mbarriers (sm_80+), ``bar`` a shared ``uint64`` array, or ``mbar_ref(bar)`` (its shared address,
+  formed once: each call is then an add where the array's generic address is converted again),
+  and ``i`` the barrier's index in it:
   ``mbar_init(bar, i, count)`` (one thread, then a ``syncthreads``); ``mbar_test_wait(bar, i,
   parity)``: whether the phase of that parity has completed (``mbarrier.test_wait.parity``: the
   n-th phase, counted from 0, has parity ``n & 1``; loop on it to wait); ``mbar_try_wait`` the same
@@ -49,9 +52,9 @@ from numba.cuda.extending import intrinsic
 from ..jit import SIMULATOR, device_jit
 from .mma import SIM_SCRATCH_WORDS_M16N8K16, _pick, _sim_buffer, _warp_sync
 
-__all__ = ["shared_base", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4",
-           "ldmatrix_x4_trans", "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_init", "mbar_test_wait",
-           "mbar_try_wait", "mbar_arrive", "cp_async_mbar_arrive", "grid_dep_wait", "grid_dep_launch"]
+__all__ = ["shared_base", "ld_shared_i32", "cp_async_16", "cp_async_commit", "cp_async_wait_fn", "ldmatrix_x4",
+           "ldmatrix_x4_trans", "movmatrix_trans", "shfl_xor_f32", "warp_any", "mbar_ref", "mbar_init",
+           "mbar_test_wait", "mbar_try_wait", "mbar_arrive", "cp_async_mbar_arrive", "grid_dep_wait", "grid_dep_launch"]
 
 # Every stand-in exchanges through halves of the same size as the m16n8k16 stand-in, so calls of
 # either kind may alternate on one scratch row (see mma._sim_buffer).
@@ -66,6 +69,14 @@ def _ptr(context, builder, arrty, arr, idx, idxty):
 
 def _u32_array(ty):
     return isinstance(ty, types.Array) and ty.dtype == types.uint32 and ty.ndim == 1
+
+
+def _u64_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.uint64 and ty.ndim == 1
+
+
+def _i32_array(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.int32 and ty.ndim == 1
 
 
 @intrinsic
@@ -91,7 +102,7 @@ def _gpu_cp_async_16(typingctx, dst, daddr, src, si, nbytes):
 
 @intrinsic
 def _gpu_shared_base(typingctx, arr):
-    if not _u32_array(arr):
+    if not (_u32_array(arr) or _u64_array(arr) or _i32_array(arr)):
         return None
     sig = types.uint32(arr)
 
@@ -101,6 +112,21 @@ def _gpu_shared_base(typingctx, arr):
         asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [p.type]),
                            "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l")
         return builder.call(asm, [p])
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_ld_shared_i32(typingctx, arr, addr):
+    if not (_i32_array(arr) and isinstance(addr, types.Integer)):
+        return None
+    sig = types.int32(arr, addr)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        i32 = ir.IntType(32)
+        asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "ld.shared.b32 $0, [$1];", "=r,r",
+                           side_effect=True)
+        return builder.call(asm, [a])
     return sig, codegen
 
 
@@ -184,37 +210,47 @@ def _gpu_warp_any(pred, scratch, lane):
     return cuda.any_sync(0xFFFFFFFF, pred)
 
 
-def _u64_array(ty):
-    return isinstance(ty, types.Array) and ty.dtype == types.uint64 and ty.ndim == 1
-
-
 def _mbar_asm(name, body, with_value, returns):
     """An intrinsic ``name(bar, i[, v])`` running the PTX ``body`` with ``a`` the 32-bit shared
-    address of ``bar[i]``, ``$v`` the uint32 operand ``v`` and ``$r`` the int32 result (if
-    ``returns``)."""
+    address of mbarrier ``i`` of ``bar`` (a shared ``uint64`` array, or :func:`mbar_ref`'s address of
+    one: then ``a`` is integer arithmetic that the compiler keeps and reuses, where an array's
+    generic address is converted in every call), ``$v`` the uint32 operand ``v`` and ``$r`` the
+    int32 result (if ``returns``)."""
     first = 1 if returns else 0
     text = body.replace("$r", "$0").replace("$v", f"${first + 1}")
-    text = ("{ .reg .u64 ga; .reg .u32 a; .reg .pred p; .reg .b64 st; "
-            f"cvta.to.shared.u64 ga, ${first}; cvt.u32.u64 a, ga; {text} }}")
-    cons = ",".join((["=r"] if returns else []) + ["l"] + (["r"] if with_value else []) + ["~{memory}"])
+    decl = "{ .reg .u64 ga; .reg .u32 a; .reg .pred p; .reg .b64 st; "
+    text_arr = f"{decl}cvta.to.shared.u64 ga, ${first}; cvt.u32.u64 a, ga; {text} }}"
+    text_ref = f"{decl}mov.u32 a, ${first}; {text} }}"
 
     def build(sig, context, builder, args):
-        p = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        ops = [p] + ([context.cast(builder, args[2], sig.args[2], types.uint32)] if with_value else [])
         i32 = ir.IntType(32)
+        if isinstance(sig.args[0], types.Integer):
+            base = context.cast(builder, args[0], sig.args[0], types.uint32)
+            idx = context.cast(builder, args[1], sig.args[1], types.uint32)
+            p = builder.add(base, builder.mul(idx, ir.Constant(i32, 8)))
+            text, kind = text_ref, "r"
+        else:
+            p = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            text, kind = text_arr, "l"
+        ops = [p] + ([context.cast(builder, args[2], sig.args[2], types.uint32)] if with_value else [])
+        cons = ",".join((["=r"] if returns else []) + [kind] + (["r"] if with_value else [])
+                        + ["~{memory}"])
         fnty = ir.FunctionType(i32 if returns else ir.VoidType(), [x.type for x in ops])
         res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ops)
         return res if returns else context.get_dummy_value()
 
+    def _bar(ty):
+        return _u64_array(ty) or isinstance(ty, types.Integer)
+
     ret = types.int32 if returns else types.void
     if with_value:
         def typer(typingctx, bar, i, v):
-            if not (_u64_array(bar) and isinstance(i, types.Integer) and isinstance(v, types.Integer)):
+            if not (_bar(bar) and isinstance(i, types.Integer) and isinstance(v, types.Integer)):
                 return None
             return ret(bar, i, v), lambda c, b, sig, args: build(sig, c, b, args)
     else:
         def typer(typingctx, bar, i):
-            if not (_u64_array(bar) and isinstance(i, types.Integer)):
+            if not (_bar(bar) and isinstance(i, types.Integer)):
                 return None
             return ret(bar, i), lambda c, b, sig, args: build(sig, c, b, args)
     typer.__name__ = name
@@ -268,6 +304,10 @@ def _sim_exchange(scratch, lane, words_of_lane):
 
 def _sim_shared_base(arr):
     return np.uint32(0)
+
+
+def _sim_ld_shared_i32(arr, addr):
+    return np.int32(arr[int(addr) // 4])
 
 
 def _sim_ldmatrix(arr, addr, scratch, lane, trans):
@@ -326,6 +366,10 @@ def _mbar_key(bar, i):
     return (np.asarray(bar).__array_interface__["data"][0], int(i))
 
 
+def _sim_mbar_ref(bar):
+    return bar                                     # the stand-ins key on the array
+
+
 def _sim_mbar_init(bar, i, count):
     with _MBAR_LOCK:
         _MBAR[_mbar_key(bar, i)] = [0, int(count), int(count)]
@@ -358,7 +402,10 @@ def _sim_cp_async_mbar_arrive(bar, i):
 
 cp_async_16 = _pick(_sim_cp_async_16, _gpu_cp_async_16, "16-byte async global->shared copy.")
 shared_base = _pick(_sim_shared_base, _gpu_shared_base,
-                    "Shared-window byte address of a shared uint32 array (0 in the simulator).")
+                    "Shared-window byte address of a shared uint32, int32 or uint64 array (0 in the "
+                    "simulator).")
+ld_shared_i32 = _pick(_sim_ld_shared_i32, _gpu_ld_shared_i32,
+                      "The int32 at shared address ``addr`` of the shared int32 array ``arr``.")
 cp_async_commit = _pick(_sim_cp_async_commit, _gpu_cp_async_commit, "Close a cp.async group.")
 grid_dep_wait = _pick(_sim_grid_dep, _gpu_grid_dep_wait,
                       "Until the grid this one depends on has completed (sm_90, programmatic launch).")
@@ -373,6 +420,9 @@ shfl_xor_f32 = (cuda.jit(device=True)(_sim_shfl_xor_f32) if SIMULATOR
 warp_any = (cuda.jit(device=True)(_sim_warp_any) if SIMULATOR
             else device_jit(_gpu_warp_any, forceinline=True))
 
+mbar_ref = _pick(_sim_mbar_ref, _gpu_shared_base,
+                 "What the mbarrier calls take for ``bar``: its shared address (the array itself in "
+                 "the simulator).")
 mbar_init = _pick(_sim_mbar_init, _gpu_mbar_init, "Initialise mbarrier ``bar[i]`` for ``count`` arrivals.")
 mbar_test_wait = _pick(_sim_mbar_test_wait, _gpu_mbar_test_wait,
                        "1 if the phase of ``parity`` of mbarrier ``bar[i]`` has completed, else 0.")
