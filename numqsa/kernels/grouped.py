@@ -487,6 +487,15 @@ def _page_len(k, k1, nv, tl):
 
 
 @device_jit(forceinline=True)
+def _whole(k0, k1, nv, tl):
+    """Whether the chunk of own pages ``k0 .. k0+7`` has 8 whole pages (every chunk but a row's
+    last): then no token is masked (the same in every lane: no divergence)."""
+    kl = int32(k1 - int32(1))
+    k7 = int32(k0 + int32(CHUNK - 1))
+    return k7 < kl or (k7 == kl and (k1 < nv or tl == int32(0)))
+
+
+@device_jit(forceinline=True)
 def _ring_row(x, solo_phase, sown, oaddr, ubase, rp_count):
     """Ring page holding the piece's own page ``x``: its stream index (union index, or ``x`` itself
     when solo) past the ``ubase`` pages streamed by earlier phases, modulo the ring. ``sown`` is
@@ -855,10 +864,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         s5 = (ya[1] + yb[1]) * scale
         s6 = (ya[2] + yb[2]) * scale
         s7 = (ya[3] + yb[3]) * scale
-        # a chunk of 8 whole pages (every chunk but a row's last): every token counts. Else the
-        # tokens past a page's length are -inf (k0..k0+7 are the same in every lane: no divergence)
-        k7 = int32(k0 + int32(CHUNK - 1))
-        full = k7 < kl or (k7 == kl and (k1 < nv or tl == int32(0)))
+        # tokens past a page's length are -inf, in a chunk that has such a page (a row's last)
+        full = _whole(k0, k1, nv, tl)
         if not full:
             gp = int32(g >> U2)
             tg = int32(g & U3)
