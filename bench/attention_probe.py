@@ -6,8 +6,9 @@ Per case (bench_attention's workload: one request, rows at the end of the contex
 permuted, 2051 selected, adjacent rows sharing ~82% of their groups): the planned route of
 ``numqsa.sparse_attention`` (GPU-only time: the calls are enqueued behind a spin kernel, CUDA events,
 median of ``--iters``), checked against the float64 oracle on sampled rows (rel L2, cosine) and
-bitwise over reruns. With ``--trtllm PATH`` the TensorRT-LLM kernel is timed on the same inputs
-through ``bench/peers`` when that adapter exists.
+bitwise over reruns and against the case's first ``--tune`` variant (or ``--ref``'s saved
+output, across processes). With ``--trtllm PATH`` the TensorRT-LLM kernel is timed on the same
+inputs through ``bench/peers`` when that adapter exists.
 """
 import argparse
 import os
@@ -82,6 +83,8 @@ def main():
     ap.add_argument("--reruns", type=int, default=3)
     ap.add_argument("--tune", default="", help="';'-separated variants of grouped.TUNING, e.g. "
                     "'g=8,nf=2;g=4,nf=3' (benchmark-only launch shapes)")
+    ap.add_argument("--ref", default=None, help="folder of each case's first output (written when "
+                    "absent), so that runs in separate processes compare bitwise too")
     args = ap.parse_args()
     import bench_attention as BA
     BA.HQ, BA.HKV = args.hq, args.hkv
@@ -92,6 +95,7 @@ def main():
     ws = numqsa.Workspace()
     from numqsa.kernels import grouped
     table = []
+    first = {}            # a case's first variant's output: every launch shape gives its bits
     variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv)
                 for v in args.tune.split(";")] if args.tune else [{}]
     for case, tune in [(c, t) for c in args.cases.split(",") for t in variants]:
@@ -120,7 +124,14 @@ def main():
         run(route)
         cuda.synchronize()
         o1, l1 = out.copy_to_host(), lse.copy_to_host()
-        same = True
+        if args.ref and key not in first:
+            path = os.path.join(args.ref, f"{rows}x{ctx // 1024}K.npy")
+            if os.path.exists(path):
+                first[key] = np.load(path)
+            else:
+                os.makedirs(args.ref, exist_ok=True)
+                np.save(path, o1)
+        same = bool(np.array_equal(o1, first.setdefault(key, o1), equal_nan=True))
         for _ in range(args.reruns):
             run(route)
             same &= bool(np.array_equal(out.copy_to_host(), o1, equal_nan=True))
