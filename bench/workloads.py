@@ -105,6 +105,10 @@ def case_list(quick=False, smoke=False):
     for hq, hkv in ((3, 1), (12, 1), (24, 2)):
         for rows in (1, 16, 256, 4096):
             cases.append(one(rows, 32768, ("attention",), "heads", f"/h{hq}-{hkv}", Hq=hq, Hkv=hkv))
+    # issue 20's other bfloat16 row counts and 131K (last, so that every earlier case keeps its seed)
+    for ctx, counts in ((32768, (4, 64)), (131072, (1, 4, 16, 64, 256))):
+        for rows in counts:
+            cases.append(one(rows, ctx, ("attention",), "bf16", "/bf16", dtype="bfloat16"))
     if quick:
         keep = {"4096x32K", "16x131K", "mixed5", "4096x32K/concentrated", "4096x32K/p16-sel64",
                 "4096x32K/p784", "4096x32K/bf16"}
