@@ -11,7 +11,8 @@ bytes of each of the group's 4 token rows (one instruction a row, 512 contiguous
 sides). This probe runs that pattern alone, over an L2-resident pool, in four variants:
 
 * ``ring``: rows 528 bytes apart (the ring's 16-byte padding), the copies under a runtime
-  condition that is always true (the kernel's ``if copies``);
+  condition that is always true (in the kernel they sit inside the ``BSSY``/``BSYNC`` region of the
+  page lookup's branches);
 * ``aligned``: rows 512 bytes apart, under the same condition;
 * ``uncond``, ``aligned-uncond``: the same two without the condition.
 
