@@ -35,10 +35,11 @@ GEOMETRIES = ("3/1", "6/1", "12/1", "24/2")
 QUICK = ("6/1", "12/1")
 
 
-# synccheck's table of tracked mbarriers (``--num-cuda-barriers``; 0, its default, counts them from
-# nvcc's notes, which numba's kernels lack). Since v28 addresses the ring's mbarriers in the shared
-# window (mbar_ref), synccheck tracks them: at 32 its table still overflowed in the union windows
-# at 12/1 and the launch failed; at 1024 all 83 sm_90 cases ran clean (session 21)
+# synccheck's table of tracked barriers (``--num-cuda-barriers``; its default, 0, detects the count
+# from the compiler's records, which numba's kernels may not carry). Its overflow first appeared
+# with v28, whose mbarrier calls take the ring's shared address (mbar_ref) instead of a generic one:
+# at the default and at 32 the table overflowed in the union windows at 12/1 and the launch failed;
+# at 1024 all 83 sm_90 cases ran clean (session 21)
 CUDA_BARRIERS = 1024
 
 
