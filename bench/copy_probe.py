@@ -11,10 +11,17 @@ bytes of each of the group's 4 token rows (one instruction a row, 512 contiguous
 sides). This probe runs that pattern alone, over an L2-resident pool, in four variants:
 
 * ``ring``: rows 528 bytes apart (the ring's 16-byte padding), the copies under a runtime
-  condition that is always true (in the kernel they sit inside the ``BSSY``/``BSYNC`` region of the
-  page lookup's branches);
+  condition that is always true (compiled as predicated ``@P LDGSTS``);
 * ``aligned``: rows 512 bytes apart, under the same condition;
-* ``uncond``, ``aligned-uncond``: the same two without the condition.
+* ``uncond``, ``aligned-uncond``: the same two without the condition;
+* ``regs``: no ``cp.async``: each lane loads 4 words of each row into registers (32-bit loads,
+  128 contiguous bytes an instruction), then stores them into the padded ring (the design that
+  replaces the copies if no ``cp.async`` form reaches 4 wavefronts a row).
+
+The kernel's copies are unpredicated ``LDGSTS`` inside a ``BSSY``/``BSYNC`` region (the page
+lookup's branches), which no variant reproduces exactly: if every ``cp.async`` variant takes about 4
+wavefronts a row, that region is the suspect; if every one takes about 10.5, ``LDGSTS`` itself costs
+that here, and ``regs`` says whether copies through registers do better.
 
 Each variant prints its time and bandwidth; under ``ncu`` its wavefronts an instruction. The copies'
 bytes are checked against the pool (one warp's last group), so a variant that copies wrongly fails.
@@ -37,17 +44,20 @@ from numqsa.kernels.smem import (cp_async_16, cp_async_commit, cp_async_wait_fn,
 WARPS = 8                 # a block's copying warps
 SLOTS = 2                 # ring pages a warp (a page: 4 token rows)
 ROW_WORDS = 128           # a token row's data: D 256 in 16 bits
-VARIANTS = {"ring": (132, True), "aligned": (128, True), "uncond": (132, False),
-            "aligned-uncond": (128, False)}
+# name: (row stride in words, runtime condition around the copies, through registers)
+VARIANTS = {"ring": (132, True, False), "aligned": (128, True, False), "uncond": (132, False, False),
+            "aligned-uncond": (128, False, False), "regs": (132, False, True)}
 
 
-def make_kernel(row_stride, cond):
+def make_kernel(row_stride, cond, regs=False):
     """Kernel over ``(blocks,)`` x ``32 * WARPS``: each warp copies ``iters`` pseudo-random page-4
-    groups of the pool (``ngroups``, a power of two) into its ``SLOTS`` ring pages (rows ``row_stride`` words apart), then writes
-    its last group back to ``out[block, warp]`` for the check."""
+    groups of the pool (``ngroups``, a power of two) into its ``SLOTS`` ring pages (rows
+    ``row_stride`` words apart), then writes its last group back to ``out[block, warp]`` for the
+    check. ``regs``: through registers instead of ``cp.async``."""
     RS = int(row_stride)
     PAGE = 4 * RS                              # words a ring page
     COND = bool(cond)
+    REGS = bool(regs)
     wait_all = cp_async_wait_fn(0)
 
     def copy_probe(pool, ngroups, iters, limit, out):
@@ -55,13 +65,26 @@ def make_kernel(row_stride, cond):
         lane = uint32(cuda.threadIdx.x) % uint32(32)
         warp = uint32(cuda.threadIdx.x) // uint32(32)
         base = shared_base(dyn) + uint32(4 * SLOTS * PAGE) * warp + uint32(16) * lane
+        wlane = uint32(SLOTS * PAGE) * warp + lane          # regs: the lane's first word
         h = (uint32(cuda.blockIdx.x) * uint32(WARPS) + warp) * uint32(2654435761)
         g = uint32(0)
         for it in range(iters):
             g = (h + uint32(it) * uint32(40503)) & uint32(ngroups - 1)
             page = base + uint32(4 * PAGE) * (uint32(it) % uint32(SLOTS))
             src = g * uint32(4 * ROW_WORDS) + uint32(4) * lane
-            if COND:
+            if REGS:
+                # the group's 16 words of this lane (words lane + 32 x of each row) in registers,
+                # then stored: 4 loads and 4 stores of 128 contiguous bytes a row
+                v = cuda.local.array(16, uint32)
+                for r in range(4):
+                    for x in range(4):
+                        v[4 * r + x] = pool[g * uint32(4 * ROW_WORDS) + uint32(ROW_WORDS * r + 32 * x)
+                                            + lane]
+                w = wlane + uint32(PAGE) * (uint32(it) % uint32(SLOTS))
+                for r in range(4):
+                    for x in range(4):
+                        dyn[w + uint32(RS * r + 32 * x)] = v[4 * r + x]
+            elif COND:
                 if lane < uint32(limit):
                     for r in range(4):
                         cp_async_16(dyn, page + uint32(4 * RS * r), pool,
@@ -82,7 +105,7 @@ def make_kernel(row_stride, cond):
             for x in range(4):
                 out[cuda.blockIdx.x, warp, r, 4 * lane + x] = dyn[w0 + uint32(RS * r + x)]
 
-    copy_probe.__name__ = f"copy_probe_rs{RS}{'_cond' if COND else ''}"
+    copy_probe.__name__ = f"copy_probe_rs{RS}{'_cond' if COND else ''}{'_regs' if REGS else ''}"
     copy_probe.__qualname__ = copy_probe.__name__
     return jit(copy_probe)
 
@@ -112,10 +135,10 @@ def main():
     out = cuda.device_array((a.blocks, WARPS, 4, ROW_WORDS), np.uint32)
     want = expected(pool, a.blocks, a.groups, a.copies)
     nbytes = a.blocks * WARPS * a.copies * 4 * ROW_WORDS * 4
-    print(f"{'variant':<16} {'row B':>5} {'cond':>5} {'ms':>8} {'GB/s':>8}  check")
+    print(f"{'variant':<16} {'row B':>5} {'cond':>5} {'regs':>5} {'ms':>8} {'GB/s':>8}  check")
     for name in a.variants.split(","):
-        rs, cond = VARIANTS[name]
-        k = make_kernel(rs, cond)
+        rs, cond, regs = VARIANTS[name]
+        k = make_kernel(rs, cond, regs)
         smem = 4 * WARPS * SLOTS * 4 * rs
         launch = k[a.blocks, 32 * WARPS, 0, smem]
         launch(dpool, a.groups, a.copies, 32, out)
@@ -130,7 +153,7 @@ def main():
             e.synchronize()
             times.append(cuda.event_elapsed_time(s, e))
         ms = float(np.median(times)) if times else float("nan")
-        print(f"{name:<16} {4 * rs:>5} {str(cond):>5} {ms:>8.4f} {nbytes / ms / 1e6 if times else float('nan'):>8.1f}  "
+        print(f"{name:<16} {4 * rs:>5} {str(cond):>5} {str(regs):>5} {ms:>8.4f} {nbytes / ms / 1e6 if times else float('nan'):>8.1f}  "
               f"{'ok' if ok else 'WRONG'}")
         if not ok:
             sys.exit(1)
