@@ -1,8 +1,9 @@
 """The union ring's copies alone: what a 512-byte token row costs in shared-memory wavefronts.
 
-    python3 bench/copy_probe.py [--iters 20] [--variants ring,aligned,uncond,aligned-uncond]
-    ncu --metrics smsp__inst_executed_op_ldgsts.sum,smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum,lts__t_sectors_srcunit_tex_op_read.sum \\
-        -k regex:copy_probe python3 bench/copy_probe.py --iters 1
+    python3 bench/copy_probe.py [--iters 20] [--variants ring,aligned,uncond,aligned-uncond,regs]
+    M=smsp__inst_executed_op_ldgsts.sum,lts__t_sectors_srcunit_tex_op_read.sum
+    M=$M,smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum
+    ncu --metrics $M -k regex:copy_probe python3 bench/copy_probe.py --iters 1
 
 Session 21's Nsight Compute of the union kernel (grouped attention v28, 4096 x 32K) counted 10.5
 shared wavefronts for each ``cp.async`` of a token row, where 4 carry 512 bytes, and 28% excess L2
@@ -34,19 +35,22 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 from numba import cuda, uint32  # noqa: E402  (after the path: numqsa's simulator switch)
 
 from numqsa.jit import SIMULATOR, jit  # noqa: E402
 from numqsa.kernels.smem import (cp_async_16, cp_async_commit, cp_async_wait_fn,  # noqa: E402
                                  shared_base)
+from attention_probe import gpu_time, spin_kernel  # noqa: E402  (GPU-only median behind a spin)
 
 WARPS = 8                 # a block's copying warps
 SLOTS = 2                 # ring pages a warp (a page: 4 token rows)
 ROW_WORDS = 128           # a token row's data: D 256 in 16 bits
 # name: (row stride in words, runtime condition around the copies, through registers)
-VARIANTS = {"ring": (132, True, False), "aligned": (128, True, False), "uncond": (132, False, False),
-            "aligned-uncond": (128, False, False), "regs": (132, False, True)}
+VARIANTS = {"ring": (132, True, False), "aligned": (128, True, False),
+            "uncond": (132, False, False), "aligned-uncond": (128, False, False),
+            "regs": (132, False, True)}
 
 
 def make_kernel(row_stride, cond, regs=False):
@@ -70,17 +74,18 @@ def make_kernel(row_stride, cond, regs=False):
         g = uint32(0)
         for it in range(iters):
             g = (h + uint32(it) * uint32(40503)) & uint32(ngroups - 1)
-            page = base + uint32(4 * PAGE) * (uint32(it) % uint32(SLOTS))
-            src = g * uint32(4 * ROW_WORDS) + uint32(4) * lane
+            slot = uint32(it) % uint32(SLOTS)
+            row0 = g * uint32(4 * ROW_WORDS)         # the group's first word in the pool
+            page = base + uint32(4 * PAGE) * slot
+            src = row0 + uint32(4) * lane
             if REGS:
                 # the group's 16 words of this lane (words lane + 32 x of each row) in registers,
                 # then stored: 4 loads and 4 stores of 128 contiguous bytes a row
                 v = cuda.local.array(16, uint32)
                 for r in range(4):
                     for x in range(4):
-                        v[4 * r + x] = pool[g * uint32(4 * ROW_WORDS) + uint32(ROW_WORDS * r + 32 * x)
-                                            + lane]
-                w = wlane + uint32(PAGE) * (uint32(it) % uint32(SLOTS))
+                        v[4 * r + x] = pool[row0 + uint32(ROW_WORDS * r + 32 * x) + lane]
+                w = wlane + uint32(PAGE) * slot
                 for r in range(4):
                     for x in range(4):
                         dyn[w + uint32(RS * r + 32 * x)] = v[4 * r + x]
@@ -91,8 +96,9 @@ def make_kernel(row_stride, cond, regs=False):
                                     src + uint32(ROW_WORDS * r), 16)
             else:
                 for r in range(4):
-                    cp_async_16(dyn, page + uint32(4 * RS * r), pool, src + uint32(ROW_WORDS * r), 16)
-            if uint32(it) % uint32(SLOTS) == uint32(SLOTS - 1):
+                    cp_async_16(dyn, page + uint32(4 * RS * r), pool, src + uint32(ROW_WORDS * r),
+                                16)
+            if slot == uint32(SLOTS - 1):
                 cp_async_commit()
                 wait_all()
         cp_async_commit()
@@ -122,9 +128,11 @@ def expected(pool, blocks, ngroups, iters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--iters", type=int, default=20, help="timed launches a variant (median)")
+    ap.add_argument("--iters", type=int, default=20,
+                    help="timed launches a variant (median, each behind a spin kernel)")
     ap.add_argument("--blocks", type=int, default=132 * 4)
-    ap.add_argument("--groups", type=int, default=4096, help="page-4 groups in the pool, a power of two (4096: 8 MB, L2-resident)")
+    ap.add_argument("--groups", type=int, default=4096,
+                    help="page-4 groups in the pool, a power of two (4096: 8 MB, L2-resident)")
     ap.add_argument("--copies", type=int, default=512, help="groups a warp copies a launch")
     a = ap.parse_args()
     if a.groups & (a.groups - 1):
@@ -135,6 +143,7 @@ def main():
     out = cuda.device_array((a.blocks, WARPS, 4, ROW_WORDS), np.uint32)
     want = expected(pool, a.blocks, a.groups, a.copies)
     nbytes = a.blocks * WARPS * a.copies * 4 * ROW_WORDS * 4
+    spin = None if SIMULATOR else spin_kernel()
     print(f"{'variant':<16} {'row B':>5} {'cond':>5} {'regs':>5} {'ms':>8} {'GB/s':>8}  check")
     for name in a.variants.split(","):
         rs, cond, regs = VARIANTS[name]
@@ -144,17 +153,10 @@ def main():
         launch(dpool, a.groups, a.copies, 32, out)
         cuda.synchronize()
         ok = np.array_equal(out.copy_to_host(), want)
-        times = []
-        for _ in range(0 if SIMULATOR else a.iters):
-            s, e = cuda.event(), cuda.event()
-            s.record()
-            launch(dpool, a.groups, a.copies, 32, out)
-            e.record()
-            e.synchronize()
-            times.append(cuda.event_elapsed_time(s, e))
-        ms = float(np.median(times)) if times else float("nan")
-        print(f"{name:<16} {4 * rs:>5} {str(cond):>5} {str(regs):>5} {ms:>8.4f} {nbytes / ms / 1e6 if times else float('nan'):>8.1f}  "
-              f"{'ok' if ok else 'WRONG'}")
+        ms = float("nan") if SIMULATOR else gpu_time(
+            lambda: launch(dpool, a.groups, a.copies, 32, out), a.iters, spin)
+        print(f"{name:<16} {4 * rs:>5} {str(cond):>5} {str(regs):>5} {ms:>8.4f} "
+              f"{nbytes / ms / 1e6:>8.1f}  {'ok' if ok else 'WRONG'}")
         if not ok:
             sys.exit(1)
 
