@@ -26,6 +26,13 @@ that here, and ``regs`` says whether copies through registers do better.
 
 Each variant prints its time and bandwidth; under ``ncu`` its wavefronts an instruction. The copies'
 bytes are checked against the pool (one warp's last group), so a variant that copies wrongly fails.
+
+Session 22's answer (H200, 8.65 M ``LDGSTS`` a variant; ``history/2026-12-05-s22-copy-probe``):
+the rows' alignment decides. Rows 528 bytes apart cost 10.5 wavefronts a copy (90.8 M) and 207 M
+L2 sectors; rows 512 bytes apart 4.0 (34.6 M) and 134 M, and copy in 0.478 ms against 0.744 (with
+or without the condition; Nsight Compute's per-instruction wavefront metric reads 0 for the
+predicated variants). ``regs`` took 0.506 ms. Grouped attention v30 (branch ``s22-v30``) keeps the
+ring's rows unpadded and swizzles their chunks instead.
 """
 import argparse
 import os
