@@ -214,6 +214,46 @@ def test_grouped_direct_programmatic_merge(rng, monkeypatch):
             assert [names[x] for x in launch.graph_dependencies(records)[i]] == attn
 
 
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 512])
+def test_ring_swizzle(d):
+    """The ring's layout (session 22): every 16-byte chunk of a stage's token rows has its own
+    place in its row; the 8 rows an ``ldmatrix`` reads at one chunk (two pages' 4 rows, ring pages
+    of opposite parity) meet 8 different bank groups; and ``at_step`` lands where ``ring_offset``
+    puts chunk ``c + 2 j`` for every lane chunk ``c`` and step ``j`` the kernel forms: K's (``hik``
+    and, in a D split, the parity's ``2 pr``: steps ``ks`` or ``2 i``) and V's (``2 dh + hiv``,
+    steps ``DS * mt``), from a 128-byte aligned ring base."""
+    pitch = 4 * grouped.row_words(d)
+    off = getattr(grouped.ring_offset, "py_func", grouped.ring_offset)
+    step = getattr(grouped.at_step, "py_func", grouped.at_step)
+    nch = d // 8
+    place = {}
+    for r in range(64):
+        for c in range(nch):
+            o = int(off(np.uint32(r), np.uint32(c), np.uint32(pitch)))
+            assert o % 16 == 0 and r * pitch <= o < (r + 1) * pitch, (r, c, o)
+            place[o] = (r, c)
+    assert len(place) == 64 * nch
+    for pa in range(8):
+        for pb in range(pa + 1, 8, 2):          # opposite parities
+            for c in range(nch):
+                rows = [4 * pa + x for x in range(4)] + [4 * pb + x for x in range(4)]
+                banks = {int(off(np.uint32(r), np.uint32(c), np.uint32(pitch))) // 16 % 8 for r in rows}
+                assert len(banks) == 8, (pa, pb, c)
+    base = 128 * 5
+    lanes = [(c0, j) for c0 in (0, 1) for j in range(nch // 2)]               # K, one warp
+    lanes += [(c0 + 2 * pr, 2 * i) for c0 in (0, 1) for pr in (0, 1) for i in range(nch // 4)]
+    for ds in (1, 2, 4):                                                      # V's D parts
+        lanes += [(2 * dh + hv, ds * mt) for dh in range(ds) for hv in (0, 1)
+                  for mt in range(nch // (2 * ds))]
+    for r in range(16):
+        for c0, j in lanes:
+            if c0 + 2 * j >= nch:
+                continue
+            a = np.uint32(base + int(off(np.uint32(r), np.uint32(c0), np.uint32(pitch))))
+            want = base + int(off(np.uint32(r), np.uint32(c0 + 2 * j), np.uint32(pitch)))
+            assert int(step(a, j)) == want, (r, c0, j)
+
+
 @pytest.mark.parametrize("hq,d", [(6, 64), (12, 64), (3, 32)])
 def test_grouped_direct_d_split(rng, monkeypatch, hq, d):
     """Direct blocks put a head tile on 1, 2 or 4 warps (``dsplit``): each warp a share of O's dims

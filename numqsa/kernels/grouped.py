@@ -37,9 +37,10 @@ Invariance: which rows share its window, how the union is staged, whether it run
 split or fused, the page placement and the batch never change which numbers are added in which
 order; they only change where the operands are loaded from and who folds.
 
-Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * (D * 2 + 16)`` bytes of dynamic memory (D 256, NB 6,
-SP 8: 198 KB; direct blocks NB 3: 99 KB, two blocks an SM): token rows padded by 16 bytes against
-bank conflicts (:func:`row_words`).
+Shared memory: ``NB * SP * 2 (K, V) * 4 tokens * max(D * 2, 128)`` bytes of dynamic memory and 128
+for its alignment (D 256, NB 6, SP 8: 192 KB; direct blocks NB 3: 96 KB, two blocks an SM): token
+rows at a pitch of 128-byte lines, their 16-byte chunks swizzled against bank conflicts
+(:func:`row_words`, :func:`ring_offset`).
 
 Route: the attention of every row count on sm_80 and sm_90, for float16 and bfloat16 with
 ``r = 4`` and 16-byte aligned caches with a contiguous D axis; sm_70 and unaligned caches take
@@ -60,12 +61,13 @@ from ..launch import after, mark, programmatic
 from .common import bits16, is_bf16
 from .page4 import make_plan_checks
 from .mma import SCRATCH_WORDS, mma_m16n8k16_bf16, mma_m16n8k16_f16, pack_bf16x2, pack_f16x2
-from .smem import (shared_base, ld_shared_i32, cp_async_16, cp_async_mbar_arrive, grid_dep_launch, grid_dep_wait,
-                   ldmatrix_x4, ldmatrix_x4_trans, mbar_arrive, mbar_init, mbar_ref, mbar_test_wait,
-                   mbar_try_wait, movmatrix_trans, shfl_xor_f32, warp_any)
+from .smem import (shared_base, ld_shared_i32, cp_async_16, cp_async_mbar_arrive, grid_dep_launch,
+                   grid_dep_wait, ldmatrix_x4, ldmatrix_x4_trans, mbar_arrive, mbar_init, mbar_ref,
+                   mbar_test_wait, mbar_try_wait, movmatrix_trans, shfl_xor_f32, warp_any)
 
-__all__ = ["GroupedConfig", "grouped_config", "plans_own_pieces", "window_size", "takes_head_dim", "make_window_plan_kernel", "make_grouped_kernel",
-           "make_merge_kernel", "launch_grouped", "RESOURCE_CASES"]
+__all__ = ["GroupedConfig", "grouped_config", "plans_own_pieces", "window_size", "takes_head_dim",
+           "make_window_plan_kernel", "make_grouped_kernel", "make_merge_kernel", "launch_grouped",
+           "ring_offset", "at_step", "RESOURCE_CASES"]
 
 #: No sm_70 build: cp.async and ldmatrix / movmatrix need sm_80 / sm_75; sm_70 runs the m8n8k4
 #: page-4 kernel (numqsa.kernels.page4).
@@ -79,6 +81,7 @@ FUSE_WAVES = 8         # windows per SM from which one block runs all of a windo
 MAX_WARPS = 8          # warps per attention block (ptxas budgets registers for warps in fours)
 PRODUCERS = 2          # of them copy warps (one leaves the rows' warps waiting on data: session 8)
 SMEM_BLOCK_MAX = 227 * 1024   # opt-in shared memory of one sm_90 block (sm_80: 4 stages fit 163 KB)
+RING_ALIGN = 128       # the ring's base rounded up to a 128-byte line (the swizzle's XORs need it)
 CHUNK = 8              # own pages per online-softmax step: 32 tokens, two m16 halves (session 10)
 HEAD_TILE = 8          # query heads per warp: the n8 of m16n8k16 (S^T = K Q^T is tokens x heads)
 BITMAP_WORDS = 1024    # window plan: logical groups per bitmap pass = 32 * 1024
@@ -129,8 +132,8 @@ class GroupedConfig:
 
     @property
     def smem_bytes(self):
-        """The ring: K and V, 4 token rows a page, rows padded by 16 bytes (``row_words``)."""
-        return self.stages * self.stage_pages * 2 * 4 * 4 * row_words(self.d)
+        """The ring: K and V, 4 token rows a page (``row_words``), and room to align it to 128."""
+        return self.stages * self.stage_pages * 2 * 4 * 4 * row_words(self.d) + RING_ALIGN
 
 
 #: Benchmark-only overrides of :func:`grouped_config`'s choices (bench/attention_probe.py --tune).
@@ -186,10 +189,11 @@ def takes_head_dim(d):
 
 
 def row_words(d):
-    """Words of a token row in the ring: ``d / 2`` and 16 bytes of padding, so that the 8 rows an
-    ``ldmatrix`` reads at one column fall in different banks (a page's 4 rows; the next page sits
-    at a 64-byte offset when its ring page has the other parity)."""
-    return int(d) // 2 + 4
+    """Words of a token row in the ring: ``d / 2``, at least one 128-byte line (d 32). Rows are
+    not padded: a padded row (session 6-21: 16 bytes more) made each 512-byte ``cp.async`` row
+    cost 10.5 shared-memory wavefronts instead of 4 (session 22, ``bench/copy_probe.py``); the
+    8 rows an ``ldmatrix`` reads are kept apart by :func:`ring_offset`'s swizzle instead."""
+    return max(int(d) // 2, 32)
 
 
 def window_size(rows, head_tiles, kb1, hkv, sms, most):
@@ -507,6 +511,25 @@ def _ring_row(x, solo_phase, sown, oaddr, ubase, rp_count):
 
 
 @device_jit(forceinline=True)
+def ring_offset(row, chunk, pitch):
+    """Byte offset of 16-byte ``chunk`` of ring token row ``row`` (rows ``pitch`` bytes apart, a
+    multiple of 128; unsigned): the chunk's low three bits XORed with the row's, so the 8
+    consecutive rows an ``ldmatrix`` reads at one chunk meet 8 different bank groups, as the
+    padded rows did before session 22 (a page's 4 rows, and the next page's 4 when its ring page
+    has the other parity)."""
+    return uint32(pitch * row + uint32(16) * (chunk ^ (row & uint32(7))))
+
+
+@device_jit(forceinline=True)
+def at_step(a, j):
+    """Address of a lane's 16-byte chunk ``c + 2 j`` of a ring row whose chunk ``c`` is at ``a``
+    (:func:`ring_offset`, the ring 128-byte aligned), where ``c % 8 + 2 (j % 4)`` does not carry
+    past 8: ``a`` with bits 5-6 XORed by ``j % 4``, ``j // 4`` lines on. ``j`` is a compile-time
+    step: one XOR and an immediate offset of the ``ldmatrix``."""
+    return uint32((a ^ uint32(32 * (j % 4))) + uint32(128 * (j // 4)))
+
+
+@device_jit(forceinline=True)
 def _mask2(o2, ln):
     """Word mask keeping tokens ``o2`` (low half) and ``o2 + 1`` (high half) of a page of ``ln``."""
     m = uint32(0)
@@ -548,10 +571,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     offsets from one address; default: contiguous ``[pages, page_size, 1, d]``). ``direct``
     (one-row windows over the page-4 plan kernel's own plan): no window plan ran; the block streams
     its row's pages of one piece in order, as a solo phase does (``wunion``, ``wmeta`` and ``ownu``
-    are not read), each head tile on ``DS`` warps: each its share of O^T's m-tiles (the dims of O
-    are independent sums) and of S^T's accumulation chains, which the warps exchange through
-    shared memory every chunk (``qk_split``); every warp then runs the same softmax step on the
-    same scores: the bits of one warp.
+    are not read), each head tile on ``DS`` warps: each its share of O^T's m-tiles (every
+    ``DS``-th from the warp's own: the dims of O are independent sums) and of S^T's accumulation
+    chains, which the warps exchange through shared memory every chunk (``qk_split``); every warp
+    then runs the same softmax step on the same scores: the bits of one warp.
     ``pdl`` (direct blocks, sm_90): every thread lets the merge kernel launch
     (``griddepcontrol.launch_dependents``), 1: once the block's barriers are set up, so that the
     merge's launch overlaps this whole grid, 2: after the block's last store (TensorRT-LLM's
@@ -617,7 +640,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NMT = NKS // DS                    # O^T m-tiles of one warp
     NOA = 4 * NMT                      # O^T accumulators per lane
     FQ = 4 if NMT % 4 == 0 else 1      # fold_out: parts of O^T's m-tiles folded in turn
-    RW = row_words(D)                  # words per token row in the ring (padded)
+    RW = row_words(D)                  # words per token row in the ring
+    PB = 4 * RW                        # its bytes: a multiple of 128 (ring_offset's swizzle)
     PW = 4 * RW                        # words per page
     RP = NB * SP                       # ring pages
     OWNMAX = 2 * PC                    # own pages of one span, at most (the last takes the rest)
@@ -638,8 +662,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     XSH = (HT, 2, 4, 4, 32) if DS > 1 else (1, 1, 1, 1, 1)   # S^T exchange: (tile, buffer, chain,
     #                                                          word, lane), float32
     NPF = -(-2 * UCAP // NT) if DIRECT else 1   # page-table words a thread prefetches (direct)
-    STAGE_U = (8 * RP * PW + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS + 16 * NB
-               + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
+    STAGE_U = (8 * RP * PW + RING_ALIGN + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS
+               + 16 * NB + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
     if SELF and not (STAGE_U and NT >= OWNMAX):
         raise ValueError("self-planned direct blocks stage their piece's pages, one thread a page")
     row_pages, ids_ok, entry = make_plan_checks(4)
@@ -676,38 +700,40 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     @device_jit(forceinline=True)
     def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, span_, pages, kw, vw,
-                ks0, vs0, lk, lv, ld, copies, pw):
+                ks0, vs0, lk, lv, r0, c0, copies, pw):
         """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
         ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer lane has released the
         buffer's previous stage; then one arrival of each lane on ``full`` when its copies land.
-        A page's K (then its V) is ``HALF`` copies of 16 bytes (4 token rows, chunks fastest:
-        coalesced rows). A lane's copies sit at its own offsets (``lk``, ``lv`` words in the caches,
-        ``ld`` bytes in the ring) plus compile-time ones, the same on every page: per page it reads
-        the page id and forms two addresses. Cache offsets are 64-bit: pools past 8 GiB of words
-        overflow int32. ``copies``: whether the lane copies (lanes past ``HALF`` idle)."""
+        A page's K and its V are ``HALF`` copies of 16 bytes each (4 token rows, chunks fastest:
+        coalesced rows). A lane's copies sit at its own offsets (``lk``, ``lv`` words in the
+        caches) plus compile-time ones, the same on every page, and at the same swizzled offsets of
+        each ring page (:func:`ring_offset` of its rows ``r0 + dr`` and chunks ``c0 + dc``), whose
+        parity flips bit 2 of every chunk: per page it reads the page id and forms three
+        addresses. Cache offsets are 64-bit: pools past 8 GiB of words overflow int32.
+        ``copies``: whether the lane copies (lanes past ``HALF`` idle)."""
         slot = uint32(gs) % UNB
         if gs >= int32(NB):       # the buffer's previous stage released (``empty``)
             wait_phase(bar, NB + slot, ((uint32(gs) // UNB) - U1) & U1)
-        stage = uint32(sb + uint32(4 * SP * PW) * slot + ld)
         q = pw
+        rpg = uint32(uint32(SP) * slot + uint32(q))     # the ring page of the warp's page q
         while q < nq:
             pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, span_, pages)
             # 32 x 32 -> 64-bit products (the host checks the word strides fit int32)
             bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(KS1) + lk
             bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(VS1) + lv
-            page = uint32(stage + uint32(16 * RW) * uint32(q))
+            page = uint32(sb + uint32(4 * PB) * rpg)
+            flip = uint32(64) * (rpg & U1)      # the ring page's parity: bit 2 of every chunk
             q = int32(q + int32(NPW))
+            rpg = uint32(rpg + uint32(NPW))
             if copies:
                 for i in range(IPH):
                     # token row dr and chunk dc of the lane's i-th copy, past its own: constants
                     dr = i // CPR if WIDE else i * RPI
                     dc = 32 * (i % CPR) if WIDE else 0
-                    cp_async_16(dyn, uint32(page + uint32(4 * RW * dr + 16 * dc)), kw,
-                                bk + int64(dr * KS1 + 4 * dc), 16)
-                for i in range(IPH):
-                    dr = i // CPR if WIDE else i * RPI
-                    dc = 32 * (i % CPR) if WIDE else 0
-                    cp_async_16(dyn, uint32(page + uint32(4 * VOFF + 4 * RW * dr + 16 * dc)), vw,
+                    off = ring_offset(uint32(r0 + uint32(dr)), uint32(c0 + uint32(dc)),
+                                      uint32(PB)) ^ flip
+                    cp_async_16(dyn, uint32(page + off), kw, bk + int64(dr * KS1 + 4 * dc), 16)
+                    cp_async_16(dyn, uint32(page + uint32(4 * VOFF) + off), vw,
                                 bv + int64(dr * VS1 + 4 * dc), 16)
         cp_async_mbar_arrive(bar, slot)
 
@@ -722,16 +748,15 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         return waited
 
     def make_pv(masked):
-        """O^T += V^T P^T over the chunk's 32 tokens: two k-steps of 16 (the halves' V rows at
-        ``vbase0`` / ``vbase1``, P^T in ``bq0, bq1`` / ``bq2, bq3``), in that order; V rows ANDed with
-        the token masks when ``masked`` (a compile-time choice: full chunks skip the masking)."""
+        """O^T += V^T P^T over the chunk's 32 tokens: two k-steps of 16 (the halves' V rows, the
+        lane's chunk of the warp's first m-tile at ``vh0`` / ``vh1``, P^T in ``bq0, bq1`` /
+        ``bq2, bq3``), in that order; the warp's m-tiles are every ``DS``-th (``at_step``); V rows
+        ANDed with the token masks when ``masked`` (a compile-time choice: full chunks skip it)."""
         @device_jit(forceinline=True)
-        def pv(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc, mkd):
-            vh0 = uint32(vbase0 + uint32(16) * hiv)
-            vh1 = uint32(vbase1 + uint32(16) * hiv)
+        def pv(dyn, vh0, vh1, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc, mkd):
             for mt in range(NMT):
-                a = ldmatrix_x4_trans(dyn, uint32(vh0 + uint32(32 * mt)), scr, lane)
-                e = ldmatrix_x4_trans(dyn, uint32(vh1 + uint32(32 * mt)), scr, lane)
+                a = ldmatrix_x4_trans(dyn, at_step(vh0, DS * mt), scr, lane)
+                e = ldmatrix_x4_trans(dyn, at_step(vh1, DS * mt), scr, lane)
                 cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
                 if masked:
                     cc = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr,
@@ -760,8 +785,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         ya = Z4
         yb = Z4
         for ks in range(NKS):
-            a = ldmatrix_x4(dyn, uint32(kh0 + uint32(32 * ks)), scr, lane)
-            e = ldmatrix_x4(dyn, uint32(kh1 + uint32(32 * ks)), scr, lane)
+            a = ldmatrix_x4(dyn, at_step(kh0, ks), scr, lane)
+            e = ldmatrix_x4(dyn, at_step(kh1, ks), scr, lane)
             b = (qf[2 * ks], qf[2 * ks + 1])
             if ks % 2 == 0:
                 xa = mma(a, b, xa, scr, lane)
@@ -773,11 +798,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
 
     @device_jit(forceinline=True)
     def chain(dyn, kb, qf, scr, lane):
-        """One accumulation chain: a half's K rows from ``kb`` (its parity's first k-step) against
-        the warp's Q^T fragments, every second k-step in order."""
+        """One accumulation chain: a half's K rows from ``kb`` (the lane's chunk of its parity's
+        first k-step) against the warp's Q^T fragments, every second k-step in order."""
         c = Z4
         for i in range(NKS // 2):
-            c = mma(ldmatrix_x4(dyn, uint32(kb + uint32(64 * i)), scr, lane),
+            c = mma(ldmatrix_x4(dyn, at_step(kb, 2 * i), scr, lane),
                     (qf[2 * i], qf[2 * i + 1]), c, scr, lane)
         return c
 
@@ -801,16 +826,16 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         after its reads of this one."""
         pr = dh & U1
         buf = uint32(nc) & U1
-        off = uint32(32) * pr
+        off = uint32(32) * pr              # k-step pr: at_step(kb, pr), pr a runtime parity
         if DS == 4:
             hx = dh >> U1
             kb = kh0
             if hx != U0:
                 kb = kh1
-            put(xch, buf, U2 * hx + pr, lane, chain(dyn, uint32(kb + off), qf, scr, lane))
+            put(xch, buf, U2 * hx + pr, lane, chain(dyn, uint32(kb ^ off), qf, scr, lane))
         else:
-            put(xch, buf, pr, lane, chain(dyn, uint32(kh0 + off), qf, scr, lane))
-            put(xch, buf, U2 + pr, lane, chain(dyn, uint32(kh1 + off), qf, scr, lane))
+            put(xch, buf, pr, lane, chain(dyn, uint32(kh0 ^ off), qf, scr, lane))
+            put(xch, buf, U2 + pr, lane, chain(dyn, uint32(kh1 ^ off), qf, scr, lane))
         mbar_arrive(bar, xbi)
         wait_phase(bar, xbi, buf)
         return take(xch, buf, 0, lane), take(xch, buf, 1, lane), take(xch, buf, 2, lane), \
@@ -819,17 +844,19 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     qk = qk_warp if DS == 1 else qk_split
 
     @device_jit(forceinline=True)
-    def row_addr(kk, kl, kstart, tr, solo_phase, sown, oaddr, ubase):
-        """Word offset in the K region of token row ``tr & 3`` of own page ``min(kk, kl)``."""
+    def row_addr(kk, kl, kstart, tr, c, solo_phase, sown, oaddr, ubase):
+        """Byte offset in the K region of 16-byte chunk ``c`` of token row ``tr & 3`` of own page
+        ``min(kk, kl)``: :func:`ring_offset`."""
         rp = _ring_row(int32(min(kk, kl) - kstart), solo_phase, sown, oaddr, ubase, RP)
-        return uint32(4 * RW) * (rp * U4 + (tr & U3))
+        return ring_offset(uint32(rp * U4 + (tr & U3)), c, uint32(PB))
 
     @device_jit(forceinline=True)
     def chunk(dyn, sb, scr, lane, qf, oacc, ml, k0, kstart, k1, nv, tl, solo_phase, sown, oaddr, ubase,
               scale, dcol, dh, xch, bar, xbi, nc):
         """One chunk (own pages k0 .. k0+7: two halves of 16 tokens): online-softmax update of
         ``oacc`` and ``ml``. The halves' products are independent chains; one max, one rescale.
-        ``dcol``: bytes into a V row of the warp's first O^T m-tile (its D part); ``dh``, ``xch``,
+        ``dcol``: the 16-byte chunk of a V row where the warp's first O^T m-tile starts (its D
+        part: m-tile ``dh``); ``dh``, ``xch``,
         ``xbi``, ``nc``: the warp's D part, its head tile's exchange of S^T's chains and their
         mbarrier ``bar[xbi]``, the block's chunk count so far (``qk``)."""
         g = lane >> U2
@@ -842,19 +869,19 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         kl = int32(k1 - int32(1))
         pk = int32(k0 + int32(tk >> U2))
         pv_ = int32(k0 + int32(tv >> U2))
-        kbase0 = uint32(sb + row_addr(pk, kl, kstart, tk, solo_phase, sown, oaddr, ubase))
-        kbase1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, solo_phase, sown, oaddr,
-                                      ubase))
-        vreg = uint32(sb + uint32(4 * VOFF) + dcol)
-        vbase0 = uint32(vreg + row_addr(pv_, kl, kstart, tv, solo_phase, sown, oaddr, ubase))
-        vbase1 = uint32(vreg + row_addr(int32(pv_ + int32(4)), kl, kstart, tv, solo_phase, sown, oaddr,
-                                        ubase))
         hik = lane >> U4
         hiv = (lane >> U3) & U1
-        # the lane's column added once: each k-step's offset is then an immediate of its ldmatrix
-        # (session 11's SASS: 48 register adds a chunk, the offsets held in registers across chunks)
-        kh0 = uint32(kbase0 + uint32(16) * hik)
-        kh1 = uint32(kbase1 + uint32(16) * hik)
+        # the lane's swizzled chunk formed once: each k-step's address is then one XOR and an
+        # immediate of its ldmatrix (``at_step``; session 11's SASS: 48 register adds a chunk when
+        # the offsets were held in registers across chunks)
+        kh0 = uint32(sb + row_addr(pk, kl, kstart, tk, hik, solo_phase, sown, oaddr, ubase))
+        kh1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, hik, solo_phase, sown,
+                                   oaddr, ubase))
+        vreg = uint32(sb + uint32(4 * VOFF))
+        cv = uint32(dcol + hiv)
+        vh0 = uint32(vreg + row_addr(pv_, kl, kstart, tv, cv, solo_phase, sown, oaddr, ubase))
+        vh1 = uint32(vreg + row_addr(int32(pv_ + int32(4)), kl, kstart, tv, cv, solo_phase, sown,
+                                     oaddr, ubase))
         xa, xb, ya, yb = qk(dyn, kh0, kh1, qf, scr, lane, dh, xch, bar, xbi, nc)
         s0 = (xa[0] + xb[0]) * scale
         s1 = (xa[1] + xb[1]) * scale
@@ -918,7 +945,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         # V rows past a partial page's tokens must not reach O (0 * NaN): masked, but only in the
         # chunk that has such a page (a row's last)
         if full:
-            pv_full(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, U0, U0, U0, U0)
+            pv_full(dyn, vh0, vh1, bq0, bq1, bq2, bq3, oacc, scr, lane, U0, U0, U0, U0)
         else:
             o2 = int32(2) * int32(t & U1)
             tp = int32(t >> U1)
@@ -926,8 +953,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             mkb = _mask2(o2, _page_len(int32(k0 + int32(2) + tp), k1, nv, tl))
             mkc = _mask2(o2, _page_len(int32(k0 + int32(4) + tp), k1, nv, tl))
             mkd = _mask2(o2, _page_len(int32(k0 + int32(6) + tp), k1, nv, tl))
-            pv_masked(dyn, vbase0, vbase1, hiv, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc,
-                      mkd)
+            pv_masked(dyn, vh0, vh1, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc, mkd)
 
     @device_jit(forceinline=True)
     def load_q(qf, qw, qs0, qs1, row, h0, g, t, ok, pr):
@@ -1032,8 +1058,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     @device_jit(forceinline=True)
     def o_dim(d0, g, mt, i):
         """The dim of O^T accumulator ``4 * mt + i`` of a lane in row group ``g`` (its head is
-        ``2 * (lane & 3) + (i & 1)``): the m16n8 accumulator layout, m-tile ``mt``."""
-        return d0 + uint32(16 * mt) + g + uint32(8) * (uint32(i) >> U1)
+        ``2 * (lane & 3) + (i & 1)``): the m16n8 accumulator layout, the warp's m-tile ``mt``
+        (O^T's m-tile ``d0 / 16 + DS * mt``: a D part's m-tiles are every ``DS``-th)."""
+        return d0 + uint32(16 * DS * mt) + g + uint32(8) * (uint32(i) >> U1)
 
     @device_jit(forceinline=True)
     def piece_end(lane, scr, oacc, ml, slot, mrd, mwr, fold, last, row, h0, nh, out, lse, part_o,
@@ -1208,7 +1235,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         wslot = int32(warp // uint32(HT * DS))
         ht = warp % uint32(HT)
         dh = (warp // uint32(HT)) % uint32(DS)         # the warp's D part (direct), else 0
-        d0 = uint32(16 * NMT) * dh
+        d0 = uint32(16) * dh                           # its first dim (m-tiles dh, dh + DS, ...)
         h0 = j * uint32(HG) + ht * uint32(HH)
         nh = min(uint32(HH), uint32(HG) - ht * uint32(HH))
         if DIRECT:
@@ -1282,7 +1309,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             load_q(qf, qw, qs0, qs1, row, h0, g, t, live and p_lo < npc and g < nh, U0)
         oacc = cuda.local.array(NOA, float32)
         ml = cuda.local.array(4, float32)      # running max of heads 2t, 2t+1, lane partial sums
-        sb = shared_base(dyn)
+        # the ring's base rounded up to a line: at_step's XORs act on the address's low bits
+        sb = uint32(shared_base(dyn) + uint32(RING_ALIGN - 1)) & uint32(0x100000000 - RING_ALIGN)
         obase = uint32(min(wslot, int32(G - 1))) * uint32(OWNMAX)
         oaddr = uint32(shared_base(sown) + uint32(4) * obase)   # (read through 32-bit addresses)
         if not DIRECT:
@@ -1343,7 +1371,6 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     c0 = lane if WIDE else lane % uint32(NCH16)
                     lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
                     lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
-                    ld = uint32(4 * RW) * r0 + uint32(16) * c0
                     copies = lane < uint32(HALF)
                     pw = int32(int32(warp) - int32(NCW))
                     s = int32(0)
@@ -1351,7 +1378,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                         u0 = int32(s * int32(SP))
                         produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
                                 solo_row, kst, su, wunion, win, span_, pages, kw, vw, ks0, vs0, lk, lv,
-                                ld, copies, pw)
+                                r0, c0, copies, pw)
                         s = int32(s + int32(1))
                 else:
                     mine = writer and kend > kstart
@@ -1392,7 +1419,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                                 waited = hi
                             chunk(dyn, sb, scr, lane, qf, oacc, ml, c, kstart, k1, nv, tl,
                                   ph > 0 or DIRECT, sown, oaddr, int32(gs0 * int32(SP)), scale,
-                                  uint32(2) * d0, dh, xch, bar, uint32(2 * NB) + ht, nc)
+                                  uint32(2) * dh, dh, xch, bar, uint32(2 * NB) + ht, nc)
                             c = int32(c + int32(CHUNK))
                             nc = int32(nc + int32(1))
                         # direct: the block's one piece, in slot ``pi`` for the merge kernel;
