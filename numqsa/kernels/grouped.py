@@ -67,7 +67,7 @@ from .smem import (shared_base, ld_shared_i32, cp_async_16, cp_async_mbar_arrive
 
 __all__ = ["GroupedConfig", "grouped_config", "plans_own_pieces", "window_size", "takes_head_dim",
            "make_window_plan_kernel", "make_grouped_kernel", "make_merge_kernel", "launch_grouped",
-           "ring_offset", "at_step", "at_step_xor", "RESOURCE_CASES"]
+           "ring_offset", "at_step", "RESOURCE_CASES"]
 
 #: No sm_70 build: cp.async and ldmatrix / movmatrix need sm_80 / sm_75; sm_70 runs the m8n8k4
 #: page-4 kernel (numqsa.kernels.page4).
@@ -524,18 +524,9 @@ def ring_offset(row, chunk, pitch):
 def at_step(a, j):
     """Address of a lane's 16-byte chunk ``c + 2 j`` of a ring row whose chunk ``c`` is at ``a``
     (:func:`ring_offset`, the ring 128-byte aligned), where ``c % 8 + 2 (j % 4)`` does not carry
-    past 8: ``a`` ``j // 4`` lines on, bits 5-6 XORed by ``j % 4``. ``j`` is a compile-time step.
-    K's reads (``qk_warp``, ``chain``) take this order and V's :func:`at_step_xor` the other:
-    the same addresses, but ptxas keeps fewer registers this way round (session 22, offline at
-    sm_90: both orders here, 747 instructions a chunk loop and no spill; XOR first in both, 723
-    and a 4-byte spill at 12 heads; line first in both, 795)."""
-    return uint32(uint32(a + uint32(128 * (j // 4))) ^ uint32(32 * (j % 4)))
-
-
-@device_jit(forceinline=True)
-def at_step_xor(a, j):
-    """:func:`at_step`'s address, XOR first: one XOR a step held in a register and the line an
-    immediate offset of the ``ldmatrix``."""
+    past 8: ``a`` with bits 5-6 XORed by ``j % 4``, ``j // 4`` lines on. ``j`` is a compile-time
+    step: one XOR a step, held in a register across a chunk's steps, and the line an immediate
+    offset of the ``ldmatrix``."""
     return uint32((a ^ uint32(32 * (j % 4))) + uint32(128 * (j // 4)))
 
 
@@ -760,13 +751,13 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     def make_pv(masked):
         """O^T += V^T P^T over the chunk's 32 tokens: two k-steps of 16 (the halves' V rows, the
         lane's chunk of the warp's first m-tile at ``vh0`` / ``vh1``, P^T in ``bq0, bq1`` /
-        ``bq2, bq3``), in that order; the warp's m-tiles are every ``DS``-th (``at_step_xor``); V rows
+        ``bq2, bq3``), in that order; the warp's m-tiles are every ``DS``-th (``at_step``); V rows
         ANDed with the token masks when ``masked`` (a compile-time choice: full chunks skip it)."""
         @device_jit(forceinline=True)
         def pv(dyn, vh0, vh1, bq0, bq1, bq2, bq3, oacc, scr, lane, mka, mkb, mkc, mkd):
             for mt in range(NMT):
-                a = ldmatrix_x4_trans(dyn, at_step_xor(vh0, DS * mt), scr, lane)
-                e = ldmatrix_x4_trans(dyn, at_step_xor(vh1, DS * mt), scr, lane)
+                a = ldmatrix_x4_trans(dyn, at_step(vh0, DS * mt), scr, lane)
+                e = ldmatrix_x4_trans(dyn, at_step(vh1, DS * mt), scr, lane)
                 cc = (oacc[4 * mt], oacc[4 * mt + 1], oacc[4 * mt + 2], oacc[4 * mt + 3])
                 if masked:
                     cc = mma((a[0] & mka, a[1] & mka, a[2] & mkb, a[3] & mkb), (bq0, bq1), cc, scr,
@@ -882,8 +873,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         hik = lane >> U4
         hiv = (lane >> U3) & U1
         # the lane's swizzled chunk formed once: each step's address is then one XOR and a line
-        # (``at_step``, ``at_step_xor``; session 11's SASS: 48 register adds a chunk when the
-        # offsets were held in registers across chunks)
+        # (``at_step``; session 11's SASS: 48 register adds a chunk when the offsets were held in
+        # registers across chunks)
         kh0 = uint32(sb + row_addr(pk, kl, kstart, tk, hik, solo_phase, sown, oaddr, ubase))
         kh1 = uint32(sb + row_addr(int32(pk + int32(4)), kl, kstart, tk, hik, solo_phase, sown,
                                    oaddr, ubase))
@@ -1341,8 +1332,12 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             if not SELF:               # (self-planned: one span, staged before plan_piece's barrier)
                 cuda.syncthreads()     # the previous span's tables are read no more
             if writer and ht == U0 and not DIRECT:
-                for x in range(kstart + int32(lane), kend, int32(32)):
-                    sown[uint32(obase + uint32(x - kstart))] = ownu[row, x]
+                # 32-bit while loops here: a range's 64-bit trip count held a register across
+                # the span (a 4-byte spill at 12 heads with K's steps XOR first)
+                xo = uint32(lane)
+                while xo < uint32(kend - kstart):
+                    sown[obase + xo] = ownu[row, uint32(kstart) + xo]
+                    xo += uint32(32)
             if SELF:
                 pass                  # staged by plan_piece
             elif STAGE_U and DIRECT:
@@ -1351,8 +1346,10 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     if x < uint32(2 * nstream0):
                         su[x >> U1, x & U1] = pre[i]
             elif STAGE_U:
-                for x in range(tid, uint32(2 * nstream0), UNT):
-                    su[x >> U1, x & U1] = wunion[win, span_, x >> U1, x & U1]
+                xs = tid
+                while xs < uint32(2 * nstream0):
+                    su[xs >> U1, xs & U1] = wunion[win, span_, xs >> U1, xs & U1]
+                    xs += UNT
             if not SELF:
                 cuda.syncthreads()
             nph = int32(1) + int32(cuda.popc(solo))
