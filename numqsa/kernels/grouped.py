@@ -857,9 +857,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         """One chunk (own pages k0 .. k0+7: two halves of 16 tokens): online-softmax update of
         ``oacc`` and ``ml``. The halves' products are independent chains; one max, one rescale.
         ``dcol``: the 16-byte chunk of a V row where the warp's first O^T m-tile starts (its D
-        part: m-tile ``dh``); ``dh``, ``xch``,
-        ``xbi``, ``nc``: the warp's D part, its head tile's exchange of S^T's chains and their
-        mbarrier ``bar[xbi]``, the block's chunk count so far (``qk``)."""
+        part: m-tile ``dh``); ``dh``, ``xch``, ``xbi``, ``nc``: the warp's D part, its head
+        tile's exchange of S^T's chains and their mbarrier ``bar[xbi]``, the block's chunk count
+        so far (``qk``)."""
         g = lane >> U2
         t = lane & U3
         # K fragment rows: token tk = (lane & 7) + 8 * ((lane >> 3) & 1); V: (lane & 7) + 8 * (lane >> 4)
@@ -1333,7 +1333,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 cuda.syncthreads()     # the previous span's tables are read no more
             if writer and ht == U0 and not DIRECT:
                 # 32-bit while loops here: a range's 64-bit trip count held a register across
-                # the span (a 4-byte spill at 12 heads with K's steps XOR first)
+                # the span (session 22: a 4-byte spill at 12 heads)
                 xo = uint32(lane)
                 while xo < uint32(kend - kstart):
                     sown[obase + xo] = ownu[row, uint32(kstart) + xo]
