@@ -667,7 +667,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                + 16 * NB + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
     if SELF and not (STAGE_U and NT >= OWNMAX):
         raise ValueError("self-planned direct blocks stage their piece's pages, one thread a page")
-    row_pages, ids_ok, entry = make_plan_checks(4)
+    row_pages, ids_ok, column, entry = make_plan_checks(4)
     U0, U1, U2, U3, U4 = (uint32(v) for v in (0, 1, 2, 3, 4))
     UNT = uint32(NT)
     UNB = uint32(NB)
@@ -1012,10 +1012,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         cols = int32(table.shape[1])
         slen = int32(0)
         pg = int32(-1)
+        c = column(ids[1], ps)
         if req >= int32(0) and req < int32(seq_lens.shape[0]) and req < int32(table.shape[0]):
             slen = int32(seq_lens[uint32(req)])
-            if tid < uint32(OWNMAX) and ids[1] >= int32(0) and ids[1] // ps < cols:
-                pg = int32(table[uint32(req), uint32(ids[1] // ps)])
+            if tid < uint32(OWNMAX) and ids[1] >= int32(0) and c < uint32(cols):
+                pg = int32(table[uint32(req), c])
         nv, tail = row_pages(n, width, slen, slots)
         k0, k1 = _piece_range(int32(nv), piece, PA)
         ok = True
@@ -1023,7 +1024,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
             len_v = U4
             if v == nv - U1 and tail > U0:
                 len_v = tail
-            pg, sl = entry(pg, ids[1], ps, cols, int32(geometry[0]))
+            pg, sl = entry(pg, ids[1], c, ps, cols, int32(geometry[0]))
             ok = ids_ok(ids, len_v, v, slen) and pg >= int32(0)
             su[tid, 0] = pg
             su[tid, 1] = sl

@@ -39,42 +39,56 @@ def make_plan_checks(r):
     - ``ids_ok(ids, len_v, v, slen)``: whether virtual page ``v``'s ids ``ids[1 .. len_v]`` are
       ``t0, t0+1, ...`` with ``t0 % r == 0``, inside the request (``< slen``), and above the previous
       page's last id ``ids[0]`` (read only for ``v > 0``);
-    - ``entry(pg, t0, ps, cols, npg)``: the page's ``(physical page, first slot)`` from its table
-      column ``t0 // ps`` (whose entry ``pg`` the caller loaded, any value when the column is past
-      the table), or ``(-1, -1)`` when the column or page is out of range."""
+    - ``column(t0, ps)``: the table column ``t0 // ps`` of an id ``t0 >= 0`` (any value for a
+      negative one, which ``ids_ok`` rejects);
+    - ``entry(pg, t0, c, ps, cols, npg)``: the page's ``(physical page, first slot)`` from its
+      table column ``c = column(t0, ps)`` (whose entry ``pg`` the caller loaded, any value when
+      the column is past the table), or ``(-1, -1)`` when ``t0`` is negative or the column or
+      page is out of range.
+
+    All of it is 32-bit (session 23): numba's ``int32 // int32`` is a 64-bit floor division, a
+    call to a software routine in the SASS, three of them on the direct blocks' path to their
+    verdict; ids are ``0 <= t0 < 2**31``, so unsigned 32-bit arithmetic gives the same verdicts
+    and entries."""
     R = int(r)
     UR = uint32(R)
+    U0, U1 = uint32(0), uint32(1)
 
     @device_jit(forceinline=True)
     def row_pages(n, width, slen, slots):
         if slen <= int32(0) or n <= int32(0) or n > width:
-            return uint32(0), uint32(0)
-        nfull = uint32(n) // UR
-        tail = uint32(n) - nfull * UR
-        nv = nfull + uint32(1 if tail > uint32(0) else 0)
+            return U0, U0
+        nfull = uint32(uint32(n) // UR)
+        tail = uint32(uint32(n) - uint32(nfull * UR))
+        nv = uint32(nfull + (U1 if tail > U0 else U0))
         if nv > uint32(slots):
-            return uint32(0), uint32(0)
+            return U0, U0
         return nv, tail
 
     @device_jit(forceinline=True)
     def ids_ok(ids, len_v, v, slen):
         t0 = ids[1]
-        ok = t0 >= int32(0) and t0 % int32(R) == int32(0) and t0 + int32(len_v) <= slen
+        # (t0 >= 0: the unsigned sum cannot wrap; slen > 0 wherever a page is checked)
+        ok = (t0 >= int32(0) and uint32(uint32(t0) % UR) == U0
+              and uint32(uint32(t0) + uint32(len_v)) <= uint32(max(slen, int32(0))))
         for x in range(1, R):
-            if uint32(x) < len_v and ids[1 + x] != t0 + int32(x):
+            if uint32(x) < len_v and ids[1 + x] != int32(t0 + int32(x)):
                 ok = False
-        if v > uint32(0) and ids[0] >= t0:
+        if v > U0 and ids[0] >= t0:
             ok = False
         return ok
 
     @device_jit(forceinline=True)
-    def entry(pg, t0, ps, cols, npg):
-        c = t0 // ps
-        if c >= cols or pg < int32(0) or pg >= npg:
-            return int32(-1), int32(-1)
-        return pg, t0 - c * ps
+    def column(t0, ps):
+        return uint32(uint32(t0) // uint32(ps))
 
-    return row_pages, ids_ok, entry
+    @device_jit(forceinline=True)
+    def entry(pg, t0, c, ps, cols, npg):
+        if t0 < int32(0) or c >= uint32(cols) or pg < int32(0) or pg >= npg:
+            return int32(-1), int32(-1)
+        return pg, int32(uint32(t0) - uint32(c * uint32(ps)))
+
+    return row_pages, ids_ok, column, entry
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +107,7 @@ def make_plan_kernel(threads, r):
     NT, R = int(threads), int(r)
     R1 = R + 1
     UNT, UR = uint32(NT), uint32(R)
-    row_pages, ids_ok, entry = make_plan_checks(R)
+    row_pages, ids_ok, column, entry = make_plan_checks(R)
 
     @jit
     def plan(tokens, counts, block_table, req_ids, seq_lens, num_pages, pages, num_vpages, tail_len):
@@ -121,8 +135,8 @@ def make_plan_kernel(threads, r):
         pg0 = int32(-1)
         if rq:
             slen = int32(seq_lens[req])
-            if tk[1] >= int32(0) and tk[1] // ps < cols:
-                pg0 = int32(block_table[req, tk[1] // ps])
+            if tk[1] >= int32(0) and column(tk[1], ps) < uint32(cols):
+                pg0 = int32(block_table[req, column(tk[1], ps)])
         nv, tail = row_pages(n, width, slen, slots)
         nfull = nv - uint32(1 if tail > uint32(0) else 0)
         if tid == uint32(0):
@@ -142,9 +156,10 @@ def make_plan_kernel(threads, r):
             ok = ids_ok(ids, len_v, v, slen)
             if ok:
                 pg = pg0
-                if not own and ids[1] // ps < cols:
-                    pg = int32(block_table[req, ids[1] // ps])
-                ok = entry(pg, ids[1], ps, cols, npg)[0] >= int32(0)
+                c = column(ids[1], ps)
+                if not own and c < uint32(cols):
+                    pg = int32(block_table[req, c])
+                ok = entry(pg, ids[1], c, ps, cols, npg)[0] >= int32(0)
             if not ok:
                 sbad[0] = int32(1)
         cuda.syncthreads()
@@ -157,8 +172,8 @@ def make_plan_kernel(threads, r):
             if v < nv:
                 own = v == tid
                 t0 = tk[1] if own else int32(tokens[row, v * UR])
-                c = t0 // ps
-                pg, sl = entry(pg0 if own else int32(block_table[req, c]), t0, ps, cols, npg)
+                c = column(t0, ps)
+                pg, sl = entry(pg0 if own else int32(block_table[req, c]), t0, c, ps, cols, npg)
             pages[row, v, 0] = pg
             pages[row, v, 1] = sl
         if tid == uint32(0):
