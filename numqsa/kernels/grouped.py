@@ -1500,6 +1500,15 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
     conv = _out_conv(out_kind)
     span_start, row_max, fold_slots = _make_fold(NL, R)
 
+    @device_jit(forceinline=True)
+    def stage_ml(sm, sl, part_ml, row, h, x, last, nsl):
+        """Slot ``x``'s ``(m, l)`` (its index clamped to ``last``) into shared memory; 1 for a
+        rejected piece (``l < 0``: self-planned blocks) among the row's ``nsl`` slots."""
+        q = min(x, last)
+        sm[x] = part_ml[row, h, q, U0]
+        sl[x] = part_ml[row, h, q, U1]
+        return int32(1) if x < uint32(nsl) and sl[x] < F0 else int32(0)
+
     def kernel(num_vpages, part_o, part_ml, out, lse):
         sm = cuda.shared.array(NL, float32)      # a slot's max and sum
         sl = cuda.shared.array(NL, float32)
@@ -1521,30 +1530,37 @@ def make_merge_kernel(d, out_kind, piece, span, npieces, nspans, direct, pdl=Fal
             nv = int32(num_vpages[row])
         elif nv <= int32(0) or part_ml[row, h, U0, U1] < F0:   # no tokens: written by the kernel
             return
-        nsp = max(int32(1), nv // int32(PC))
-        nsl = max(int32(1), nv // int32(PA)) if DIRECT else nsp
+        # (32-bit: nv >= 0 wherever the spans are used; numba's int32 // int32 is 64-bit)
+        unv = uint32(max(nv, int32(0)))
+        nsp = int32(max(U1, uint32(unv // uint32(PC))))
+        nsl = int32(max(U1, uint32(unv // uint32(PA)))) if DIRECT else nsp
         # else no read of an unwritten slot; unsigned indices: no negative-index wrap
         last = uint32(NL - 1) if SELF else uint32(nsl - int32(1))
         for x in range(NL):
             ov[x] = part_o[row, h, min(uint32(x), last), dd]
         bad = int32(0)
-        for x in range(dd, uint32(NL), UD):     # (one pass where NL <= D: thread x, slot x)
-            q = min(x, last)
-            sm[x] = part_ml[row, h, q, U0]
-            sl[x] = part_ml[row, h, q, U1]
-            if x < uint32(nsl) and sl[x] < F0:
-                bad = int32(1)                  # a rejected piece (self-planned blocks)
+        if NL <= D:
+            # thread x stages slot x: straight-line code, so its loads issue beside O's (a
+            # loop's 64-bit trip count put ~100 instructions between them: session 23's SASS)
+            if dd < uint32(NL):
+                bad = stage_ml(sm, sl, part_ml, row, h, dd, last, nsl)
+        else:
+            for x in range(dd, uint32(NL), UD):
+                bad |= stage_ml(sm, sl, part_ml, row, h, x, last, nsl)
         if SELF:
             # no tokens, the plan's leaving, or a rejected piece: the generic kernel's row
             if cuda.syncthreads_or(bad) != 0 or nv <= int32(0):
                 return
         else:
             cuda.syncthreads()
-        mx = NEG_INF
-        for x in range(dd, uint32(NL), UD):
-            mx = row_max(sm, nsl)
-            if x < uint32(nsl):
-                _slot_weights(sm, sa, sb, sw, int32(x), span_start(int32(x), nsp), mx)
+        mx = row_max(sm, nsl)
+        if NL <= D:
+            if dd < uint32(nsl):
+                _slot_weights(sm, sa, sb, sw, int32(dd), span_start(int32(dd), nsp), mx)
+        else:
+            for x in range(dd, uint32(NL), UD):
+                if x < uint32(nsl):
+                    _slot_weights(sm, sa, sb, sw, int32(x), span_start(int32(x), nsp), mx)
         cuda.syncthreads()
         acc, lsum = fold_slots(ov, sl, sa, sb, sw, nsl, nsp)
         out[row, h, dd] = conv(_fold_finish(acc, lsum))
