@@ -993,10 +993,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         for x in range(5):
             ids[x] = int32(-1)
         if tid < uint32(OWNMAX) and width > int32(0):
+            # 32-bit clamps (an int32 sum is 64-bit in numba: 70 instructions before these loads)
             v4 = int32(U4 * (uint32(piece * int32(PA)) + tid))
+            hi = int32(width - int32(1))
             for x in range(5):
-                ids[x] = int32(tokens[ur, uint32(min(max(v4 + int32(x - 1), int32(0)),
-                                                     width - int32(1)))])
+                ids[x] = int32(tokens[ur, uint32(min(max(int32(v4 + int32(x - 1)), int32(0)), hi))])
         return int32(req_ids[ur]), int32(counts[ur])
 
     @device_jit(forceinline=True)
