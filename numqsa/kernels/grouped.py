@@ -656,6 +656,9 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     WIDE = NCH16 > 32                  # a lane's copies: chunks c0 + 32 m of rows; else rows r0 + RPI i
     CPR = NCH16 // 32 if WIDE else 1   # copies of one token row per lane (wide rows)
     RPI = 1 if WIDE else 32 // NCH16   # token rows one copy instruction covers (narrow rows)
+    KP = -(-SP // NPW)                 # pages of a stage one producer warp copies (every NPW-th)
+    # a warp's ring pages of a stage all have its parity (SP, NPW even): one swizzle a warp
+    FLIP1 = SP % 2 == 0 and NPW % 2 == 0
     KS1, VS1 = (int(x) for x in (slot_strides or (D // 2, D // 2)))
     UCAP = G * OWNMAX                  # union entries of one span, at most (launch_grouped's cap)
     # the piece's page ids staged in shared memory (the copy loop reads them per page: a global
@@ -665,6 +668,7 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
     NPF = -(-2 * UCAP // NT) if DIRECT else 1   # page-table words a thread prefetches (direct)
     STAGE_U = (8 * RP * PW + RING_ALIGN + 4 * G * OWNMAX + 8 * UCAP + 4 * NW * SCRATCH_WORDS
                + 16 * NB + 4 * math.prod(XSH) <= SMEM_BLOCK_MAX)
+    SUW = 2 * UCAP if STAGE_U else 2   # words of the staged entries
     if SELF and not (STAGE_U and NT >= OWNMAX):
         raise ValueError("self-planned direct blocks stage their piece's pages, one thread a page")
     row_pages, ids_ok, column, entry = make_plan_checks(4)
@@ -690,52 +694,62 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         wait_phase(bar, uint32(gs) % UNB, (uint32(gs) // UNB) & U1)
 
     @device_jit(forceinline=True)
-    def page_id(u, solo_row, kstart_s, su, wunion, win, span_, pages):
+    def page_id(u, solo_row, kstart_s, su, subase, wunion, win, span_, pages):
         """(physical page, first slot) of stream entry ``u``: the union's, or the solo (or direct)
-        row's own."""
+        row's own; staged ones (``su``, words ``2 u``, ``2 u + 1``) read at 32-bit shared
+        addresses from ``subase``."""
         if (solo_row < int32(0) or DIRECT) and STAGE_U:
-            return su[u, 0], su[u, 1]
+            a = uint32(subase + uint32(8) * uint32(u))
+            return ld_shared_i32(su, a), ld_shared_i32(su, uint32(a + U4))
         if solo_row < int32(0):
             return wunion[win, span_, u, 0], wunion[win, span_, u, 1]
         return pages[solo_row, kstart_s + u, 0], pages[solo_row, kstart_s + u, 1]
 
     @device_jit(forceinline=True)
-    def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, wunion, win, span_, pages, kw, vw,
-                ks0, vs0, lk, lv, r0, c0, copies, pw):
+    def produce(dyn, sb, bar, gs, u0, nq, solo_row, kstart_s, su, subase, wunion, win, span_, pages,
+                kw, vw, ks0, vs0, lk, lv, offs, copies, pw):
         """cp.async of the stream's pages ``u0 .. u0+nq-1`` (stage ``gs``) into ring buffer
-        ``gs % NB``, producer warp ``pw``'s pages of it, once every consumer lane has released the
-        buffer's previous stage; then one arrival of each lane on ``full`` when its copies land.
-        A page's K and its V are ``HALF`` copies of 16 bytes each (4 token rows, chunks fastest:
-        coalesced rows). A lane's copies sit at its own offsets (``lk``, ``lv`` words in the
-        caches) plus compile-time ones, the same on every page, and at the same swizzled offsets of
-        each ring page (:func:`ring_offset` of its rows ``r0 + dr`` and chunks ``c0 + dc``), whose
-        parity flips bit 2 of every chunk: per page it reads the page id and forms three
-        addresses. Cache offsets are 64-bit: pools past 8 GiB of words overflow int32.
+        ``gs % NB``, producer warp ``pw``'s pages of it (``pw``, ``pw + NPW``, ...: ``KP`` at
+        most), once every consumer lane has released the buffer's previous stage; then one
+        arrival of each lane on ``full`` when its copies land. A page's K and its V are ``HALF``
+        copies of 16 bytes each (4 token rows, chunks fastest: coalesced rows). The warp's pages
+        are read first, then copied (session 23: a page at a time, 58 SASS instructions a page,
+        each page's copies waited on its id's load and a 64-bit address chain). A lane's copies
+        sit at its own offsets (``lk``, ``lv`` words in the caches, the head's included) plus
+        compile-time ones, the same on every page, and at the same swizzled offsets ``offs`` of
+        each ring page (:func:`ring_offset` of its rows ``r0 + dr`` and chunks ``c0 + dc``, the
+        warp's parity applied where ``FLIP1``; else a page's parity flips bit 2 of every chunk).
+        Cache offsets are 64-bit (pools past 8 GiB of words overflow int32): a page's is one
+        32 x 32 -> 64-bit product and an add (pages and slots are not negative).
         ``copies``: whether the lane copies (lanes past ``HALF`` idle)."""
         slot = uint32(gs) % UNB
         if gs >= int32(NB):       # the buffer's previous stage released (``empty``)
             wait_phase(bar, NB + slot, ((uint32(gs) // UNB) - U1) & U1)
-        q = pw
-        rpg = uint32(uint32(SP) * slot + uint32(q))     # the ring page of the warp's page q
-        while q < nq:
-            pg, sl = page_id(int32(u0 + q), solo_row, kstart_s, su, wunion, win, span_, pages)
-            # 32 x 32 -> 64-bit products (the host checks the word strides fit int32)
-            bk = int64(pg) * int64(int32(ks0)) + int64(sl) * int64(KS1) + lk
-            bv = int64(pg) * int64(int32(vs0)) + int64(sl) * int64(VS1) + lv
-            page = uint32(sb + uint32(4 * PB) * rpg)
-            flip = uint32(64) * (rpg & U1)      # the ring page's parity: bit 2 of every chunk
-            q = int32(q + int32(NPW))
-            rpg = uint32(rpg + uint32(NPW))
-            if copies:
+        pgs = cuda.local.array(KP, uint32)
+        sls = cuda.local.array(KP, uint32)
+        for k in range(KP):       # (clamped to the stage's last page: no read past the staged)
+            pg, sl = page_id(int32(u0 + min(int32(pw + NPW * k), int32(nq - int32(1)))), solo_row,
+                             kstart_s, su, subase, wunion, win, span_, pages)
+            pgs[k] = uint32(pg)
+            sls[k] = uint32(sl)
+        for k in range(KP):
+            q = int32(pw + NPW * k)
+            if copies and q < nq:
+                rpg = uint32(uint32(SP) * slot + uint32(q))     # the ring page
+                page = uint32(sb + uint32(4 * PB) * rpg)
+                flip = U0 if FLIP1 else uint32(64) * (rpg & U1)
+                bk = uint64(lk + uint64(uint32(sls[k] * uint32(KS1)))) + \
+                    uint64(pgs[k]) * uint64(uint32(ks0))
+                bv = uint64(lv + uint64(uint32(sls[k] * uint32(VS1)))) + \
+                    uint64(pgs[k]) * uint64(uint32(vs0))
                 for i in range(IPH):
                     # token row dr and chunk dc of the lane's i-th copy, past its own: constants
                     dr = i // CPR if WIDE else i * RPI
                     dc = 32 * (i % CPR) if WIDE else 0
-                    off = ring_offset(uint32(r0 + uint32(dr)), uint32(c0 + uint32(dc)),
-                                      uint32(PB)) ^ flip
-                    cp_async_16(dyn, uint32(page + off), kw, bk + int64(dr * KS1 + 4 * dc), 16)
-                    cp_async_16(dyn, uint32(page + uint32(4 * VOFF) + off), vw,
-                                bv + int64(dr * VS1 + 4 * dc), 16)
+                    off = uint32(page + (offs[i] ^ flip))
+                    cp_async_16(dyn, off, kw, uint64(bk + uint64(dr * KS1 + 4 * dc)), 16)
+                    cp_async_16(dyn, uint32(off + uint32(4 * VOFF)), vw,
+                                uint64(bv + uint64(dr * VS1 + 4 * dc)), 16)
         cp_async_mbar_arrive(bar, slot)
 
     @device_jit(forceinline=True)
@@ -1027,8 +1041,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 len_v = tail
             pg, sl = entry(pg, ids[1], c, ps, cols, int32(geometry[0]))
             ok = ids_ok(ids, len_v, v, slen) and pg >= int32(0)
-            su[tid, 0] = pg
-            su[tid, 1] = sl
+            su[U2 * tid] = pg
+            su[U2 * tid + U1] = sl
         return int32(nv), int32(tail), cuda.syncthreads_or(int32(0 if ok else 1)) == 0
 
     @device_jit(forceinline=True)
@@ -1225,7 +1239,8 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
         xall = cuda.shared.array(XSH, float32)
         scr_all = cuda.shared.array((NW, SCRATCH_WORDS), uint32)
         sown = cuda.shared.array(UCAP, int32)          # per row (OWNMAX each): own pages' union indices
-        su = cuda.shared.array((UCAP if STAGE_U else 1, 2), int32)
+        su = cuda.shared.array(SUW, int32)     # (page, slot) of entry x: words 2x, 2x+1
+        subase = shared_base(su)
         tid = uint32(cuda.threadIdx.x)
         warp = tid >> uint32(5)
         lane = tid & uint32(31)
@@ -1346,11 +1361,11 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                 for i in range(NPF):
                     x = tid + uint32(i * NT)
                     if x < uint32(2 * nstream0):
-                        su[x >> U1, x & U1] = pre[i]
+                        su[x] = pre[i]
             elif STAGE_U:
                 xs = tid
                 while xs < uint32(2 * nstream0):
-                    su[xs >> U1, xs & U1] = wunion[win, span_, xs >> U1, xs & U1]
+                    su[xs] = wunion[win, span_, xs >> U1, xs & U1]
                     xs += UNT
             if not SELF:
                 cuda.syncthreads()
@@ -1378,16 +1393,25 @@ def make_grouped_kernel(d, hg, stages, stage_pages, rows_per_window, piece, dtyp
                     # row r0 and chunk c0 (formed here: no registers held across the rows' chunks)
                     r0 = U0 if WIDE else lane // uint32(NCH16)
                     c0 = lane if WIDE else lane % uint32(NCH16)
-                    lk = int64(j) * ks2 + int64(r0 * uint32(KS1) + U4 * c0)
-                    lv = int64(j) * vs2 + int64(r0 * uint32(VS1) + U4 * c0)
+                    # (unsigned: numba makes an int64 / uint64 mix a float64)
+                    lk = uint64(uint64(j) * uint64(ks2) + uint64(r0 * uint32(KS1) + U4 * c0))
+                    lv = uint64(uint64(j) * uint64(vs2) + uint64(r0 * uint32(VS1) + U4 * c0))
                     copies = lane < uint32(HALF)
                     pw = int32(int32(warp) - int32(NCW))
+                    offs = cuda.local.array(IPH, uint32)
+                    for i in range(IPH):
+                        dr = i // CPR if WIDE else i * RPI
+                        dc = 32 * (i % CPR) if WIDE else 0
+                        offs[i] = ring_offset(uint32(r0 + uint32(dr)), uint32(c0 + uint32(dc)),
+                                              uint32(PB))
+                        if FLIP1:
+                            offs[i] ^= uint32(64) * (uint32(pw) & U1)
                     s = int32(0)
                     while s < nst:
                         u0 = int32(s * int32(SP))
                         produce(dyn, sb, bar, int32(gs0 + s), u0, min(int32(SP), int32(nstream - u0)),
-                                solo_row, kst, su, wunion, win, span_, pages, kw, vw, ks0, vs0, lk, lv,
-                                r0, c0, copies, pw)
+                                solo_row, kst, su, subase, wunion, win, span_, pages, kw, vw, ks0,
+                                vs0, lk, lv, offs, copies, pw)
                         s = int32(s + int32(1))
                 else:
                     mine = writer and kend > kstart
