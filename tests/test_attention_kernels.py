@@ -192,6 +192,43 @@ def test_plan_matches_oracle_and_rejects_malformed_rows(rng):
     assert len(tails) >= 2
 
 
+def test_plan_ids_near_the_int32_limit():
+    """The plan's checks run in 32-bit arithmetic (session 23): ids at the top of the int32 range,
+    negative ids, and a row whose ids would wrap past 2**31 - 1 get the oracle's verdicts, with
+    well-formed rows beside them."""
+    big = 2 ** 31 - 1
+    page_size, cols = 16, 8
+    seq_lens = np.array([100, big], np.int32)
+    table = np.arange(2 * cols, dtype=np.int32).reshape(2, cols)
+    good = np.arange(8, 16, dtype=np.int32)                   # two whole pages of request 0
+    rows = [
+        (good, 0),
+        (np.array([big - 3, big - 2, big - 1, big], np.int32), 1),      # past the request's end
+        (np.array([big - 7, big - 6, big - 5, big - 4], np.int32), 1),  # a column past the table
+        (np.array([-4, -3, -2, -1], np.int32), 1),                       # negative
+        (np.array([big - 1, big, -big - 1, -big], np.int32), 1),         # not aligned, wrapping
+        (np.array([4, 5, 6, 7, big - 3, big - 2, big - 1, big], np.int32), 1),  # a good page first
+        (good, 1),
+    ]
+    width = 2 * 4 + 3                                          # Kb 2
+    tok = np.full((len(rows), width), -1, np.int32)
+    cnt = np.zeros(len(rows), np.int32)
+    req = np.zeros(len(rows), np.int32)
+    for i, (ids, r) in enumerate(rows):
+        tok[i, :ids.size] = ids
+        cnt[i] = ids.size
+        req[i] = r
+    outs = tuple(poison(np.empty(s, np.int32)) for s in ((len(rows), width // 4 + 1, 2),
+                                                         (len(rows),), (len(rows),)))
+    got = numqsa.page4_plan(tok, cnt, table, req, seq_lens, page_size=page_size, num_pages=2 * cols,
+                            out=outs)
+    want = oracle.page4_plan(tok, cnt, table, req, seq_lens, page_size=page_size,
+                             num_pages=2 * cols)
+    for g, w, name in zip(got, want, ("pages", "num_vpages", "tail_len")):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+    assert list(got[1]) == [2, 0, 0, 0, 0, 0, 2]
+
+
 # ---------------------------------------------------------------------------------------------
 # page-4 grouped route (both mma variants through the simulator stand-ins)
 # ---------------------------------------------------------------------------------------------

@@ -68,12 +68,13 @@ def make_plan_checks(r):
     @device_jit(forceinline=True)
     def ids_ok(ids, len_v, v, slen):
         t0 = ids[1]
-        # (t0 >= 0: the unsigned sum cannot wrap; slen > 0 wherever a page is checked)
+        # (t0 >= 0 before the unsigned sum, which then cannot wrap)
         ok = (t0 >= int32(0) and uint32(uint32(t0) % UR) == U0
               and uint32(uint32(t0) + uint32(len_v)) <= uint32(max(slen, int32(0))))
-        for x in range(1, R):
-            if uint32(x) < len_v and ids[1 + x] != int32(t0 + int32(x)):
-                ok = False
+        if ok:                    # (t0 >= 0: the unsigned sums below cannot wrap)
+            for x in range(1, R):
+                if uint32(x) < len_v and uint32(ids[1 + x]) != uint32(uint32(t0) + uint32(x)):
+                    ok = False
         if v > U0 and ids[0] >= t0:
             ok = False
         return ok
