@@ -120,8 +120,7 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, np.zeros(np.shape(req_ids)[0], np.int32), seq_lens)
     kb = V.check_selection(tokens, counts, rows, r)
-    if page_size % r:
-        raise V.QSAInputError(f"page_size {page_size} is not a multiple of r = {r}")
+    V.check_page_size(page_size, r)
     live, req, _, _ = row_states(req_ids, np.zeros(rows), seq_lens, r)
     toks, cnt, lens = V.host_ints(tokens), V.host_ints(counts), V.host_ints(seq_lens)
     tab = V.host_ints(block_table)

@@ -11,7 +11,7 @@ import numpy as np
 __all__ = [
     "QSAInputError", "dtype_name", "host_ints", "check_batch", "check_table", "check_kv",
     "check_q", "check_index_cache", "check_index_q", "check_selection", "check_tokens", "check_r",
-    "check_kb", "check_int", "check_array",
+    "check_kb", "check_page_size", "check_int", "check_array",
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -91,6 +91,14 @@ def check_r(r):
     return check_int(r, "compress ratio r", 1, MAX_R)
 
 
+def check_page_size(page_size, r, why=""):
+    """A page size: an integer >= 1 and a multiple of ``r`` (``why`` appended to that message)."""
+    page_size = check_int(page_size, "page_size", 1)
+    if page_size % r:
+        raise QSAInputError(f"page_size {page_size} is not a multiple of r = {r}{why}")
+    return page_size
+
+
 def check_kb(Kb):
     """Selected groups per row: an integer in 1..2^20 (a selection of 4M tokens)."""
     return check_int(Kb, "Kb", 1, MAX_KB)
@@ -165,9 +173,7 @@ def check_kv(k_cache, v_cache, r):
     if kd != vd:
         raise QSAInputError(f"k_cache dtype {kd} differs from v_cache dtype {vd}")
     num_pages, page_size, hkv, d = ks
-    if page_size % r:
-        raise QSAInputError(f"page_size {page_size} is not a multiple of r = {r}: a group of r "
-                            f"tokens would straddle two pages")
+    check_page_size(page_size, r, ": a group of r tokens would straddle two pages")
     if hkv < 1 or d < 1:
         raise QSAInputError(f"k_cache has Hkv = {hkv}, D = {d}; both must be >= 1")
     return ks

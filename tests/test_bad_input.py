@@ -155,6 +155,22 @@ def test_kb_and_r(prob, launches, kw, match):
     refused(prob, launches, match, **kw)
 
 
+@pytest.mark.parametrize("page_size, match", [(0, "page_size = 0 is out of range"),
+                                               (-4, "page_size = -4 is out of range"),
+                                               (16.0, r"page_size must be an integer, got 16.0"),
+                                               (18, "page_size 18 is not a multiple of r = 4")])
+def test_page4_plan_page_size(prob, launches, page_size, match):
+    """``page4_plan``'s page size, an argument of its own: a positive multiple of ``r`` (0 and
+    negative multiples of 4 passed the modulo check before session 23), in numqsa and the oracle."""
+    tokens, counts = oracle.select(prob["qi"], prob["index_cache"], prob["index_block_table"],
+                                   prob["req_ids"], prob["positions"], prob["seq_lens"], Kb=8)[:2]
+    args = (tokens, counts, prob["block_table"], prob["req_ids"], prob["seq_lens"])
+    for api in (numqsa, oracle):
+        with pytest.raises(QSAInputError, match=match):
+            api.page4_plan(*args, page_size=page_size, num_pages=prob["k_cache"].shape[0])
+    assert launches == [], f"launched {launches} before refusing"
+
+
 def test_python_lists(prob, launches):
     refused(prob, launches, "q is a Python list", q=prob["q"].tolist())
     refused(prob, launches, "req_ids is a Python list", req_ids=[0, 0, 1])

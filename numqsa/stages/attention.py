@@ -204,8 +204,7 @@ def page4_plan(tokens, counts, block_table, req_ids, seq_lens, *, page_size, num
     r = V.check_r(r)
     rows, _ = V.check_batch(req_ids, np.zeros(np.shape(req_ids)[0], np.int32), seq_lens)
     kb = V.check_selection(tokens, counts, rows, r)
-    if page_size % r:
-        raise V.QSAInputError(f"page_size {page_size} is not a multiple of r = {r}")
+    V.check_page_size(page_size, r)
     V._rank(block_table, "block_table", 2, "[num_reqs, cols]")
     stream = dev.caller_stream(stream, tokens)
     was_host = dev.is_host(tokens)
