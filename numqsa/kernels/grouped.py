@@ -1610,15 +1610,18 @@ def _make_fold(nl, r):
 
     @device_jit(forceinline=True)
     def span_start(x, nsp):
-        return min(x // int32(R), nsp - int32(1)) * int32(R)
+        # (32-bit: x >= 0, nsp >= 1; numba's int32 // int32 is a 64-bit floor division)
+        return int32(uint32(min(uint32(x) // uint32(R), uint32(nsp - int32(1)))) * uint32(R))
 
     @device_jit(forceinline=True)
     def row_max(sm, nsl):
+        # every slot loaded (all are written), the row's own selected: max(mx, mx) is mx, so the
+        # same bits as a branch, and the loads need no predicate (which had kept ptxas from
+        # sharing their shared-window address: 16 reads of SR_CgaCtaId)
         mx = NEG_INF
         for x in range(NL):
             v = sm[x]
-            if x < nsl:
-                mx = max(mx, v)
+            mx = max(mx, v if x < nsl else mx)
         return mx
 
     @device_jit(forceinline=True)
@@ -1665,9 +1668,11 @@ def _slot_weights(sm, sa, sb, sw, x, x0, mx):
     span's weight in the row, ``e^(m_x - M)``, used where the span ends at ``x``."""
     m = sm[x0]
     mp = m
-    for j in range(x0 + int32(1), x + int32(1)):
+    j = int32(x0 + int32(1))
+    while j <= x:                 # (a 32-bit loop: a range's trip count is 64-bit)
         mp = m
         m = max(m, sm[j])
+        j = int32(j + int32(1))
     sa[x] = _fold_weight(mp, m)
     sb[x] = _fold_weight(sm[x], m)
     sw[x] = _fold_weight(m, mx)
