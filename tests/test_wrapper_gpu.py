@@ -100,7 +100,11 @@ def test_gpu_graph_branch_bitwise(seed, rows, monkeypatch):
     """The replay graph runs the generic kernel (the plan's inert and empty rows) on a branch
     beside the grouped kernels; replay after replay it gives the bits of the kernels launched one
     by one in stream order (a row written by both branches would show as a difference in some
-    replay). Every 7th row is inert (request -1): out 0, lse -inf."""
+    replay). Every 7th row is inert (request -1): out 0, lse -inf. The branch is the grouped
+    route's (sm_80+): under the sm_70 profile the page-4 kernel runs with no branch to test."""
+    import os
+    if os.environ.get("NUMQSA_ARCH") == "sm_70":
+        pytest.skip("the generic kernel's graph branch belongs to the grouped route (sm_80+)")
     import torch
     p = gpu_problem(seed, rows=rows)
     p["req_ids"] = p["req_ids"].copy()
