@@ -396,6 +396,36 @@ def test_invariances(rng, arch, route):
     check(joined, tj, cj, jo, jl)
 
 
+def chunk_of(p, tokens, counts, rows):
+    """Rows ``rows`` of one request as a prefill chunk runs them: the request's length ends at
+    the chunk's last row (its cache holds nothing past it yet); the rows' selections unchanged."""
+    c = dict(p)
+    c["q"] = p["q"][rows]
+    c["req_ids"] = p["req_ids"][rows]
+    c["positions"] = p["positions"][rows]
+    c["seq_lens"] = p["seq_lens"].copy()
+    req = int(c["req_ids"][-1])
+    c["seq_lens"][req] = int(c["positions"].max()) + 1
+    return c, tokens[rows], counts[rows]
+
+
+@pytest.mark.parametrize("route", ["generic", "page4"])
+def test_prefill_chunks_bitwise(rng, arch, route):
+    """A request's rows split into two prefill chunks, at two different boundaries: every row has
+    the bits it has when the rows run in one call (the first chunk sees a shorter request)."""
+    p = small_problem(rng, [120, 40], [9, 3], page_size=16)
+    tokens, counts = selection(rng, p["req_ids"], p["positions"], p["seq_lens"], kb=8, mode="overlap")
+    whole = run_attention(p, tokens, counts, route)
+    check(p, tokens, counts, *whole)
+    first = np.flatnonzero(p["req_ids"] == 0)
+    for b in (1, 5):
+        for rows in (first[:b], first[b:]):
+            c, t, n = chunk_of(p, tokens, counts, rows)
+            o, l = run_attention(c, t, n, route)
+            np.testing.assert_array_equal(o, whole[0][rows], err_msg=f"chunk at {b}")
+            np.testing.assert_array_equal(l, whole[1][rows], err_msg=f"chunk at {b} (lse)")
+
+
 def test_page4_grouping_invariance(rng, arch):
     """Same rows, different group sizes: bitwise identical per row (the kernel-level claim).
 
@@ -423,6 +453,46 @@ def test_page4_grouping_invariance(rng, arch):
     check(p, tokens, counts, *res[-1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_small_rows(dtype, seed):
+    """The small-row checks (issue 20) at the bench's shape: the last 1, 4, 16, 64 and 256 rows of a
+    32K context (2051 selected tokens, page 64 in random order), planned route, against the float64
+    oracle; every row bitwise the same as in the 4096-row batch, in a second call (the cached
+    wrapper's graph replay), on relocated pages, and in a prefill split into two chunks at two
+    boundaries (the first chunk sees its request end at its last row)."""
+    import ml_dtypes
+    dt = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
+    rows = 4096
+    w = gpu_problem(rows, 32768, seed, dtype=dt)
+    p, tokens, counts = w["problem"], w["tokens"], w["counts"]
+    rng = np.random.default_rng(seed)
+    whole = run_attention(p, tokens, counts, None)
+
+    def same(got, sub, what):
+        np.testing.assert_array_equal(got[0].view(np.uint16), whole[0][sub].view(np.uint16),
+                                      err_msg=f"{dtype}: {what}")
+        np.testing.assert_array_equal(got[1], whole[1][sub], err_msg=f"{dtype}: {what} (lse)")
+
+    for n in (1, 4, 16, 64, 256):
+        sub = np.arange(rows - n, rows)
+        c, t, k = chunk_of(p, tokens, counts, sub)
+        c["seq_lens"] = p["seq_lens"]
+        first = run_attention(c, t, k, None)
+        same(first, sub, f"{n} rows")
+        same(run_attention(c, t, k, None), sub, f"{n} rows, again")
+        if n == 4:
+            same(run_attention(relocate(c, rng), t, k, None), sub, f"{n} rows, relocated")
+        pick = np.unique(np.r_[0, n - 1, rng.integers(0, n, 6)])
+        eo, el = oracle.sparse_attention(c["q"][pick], p["k_cache"], p["v_cache"], p["block_table"],
+                                         t[pick], k[pick], c["req_ids"][pick], p["seq_lens"])
+        assert_matches_oracle(first[0][pick], eo, dtype=dtype, what=f"{n} rows out")
+        assert_matches_oracle(first[1][pick], el, dtype="float32", what=f"{n} rows lse")
+    for b in (rows - 4, rows - 256):
+        for sub in (np.arange(b), np.arange(b, rows)):
+            same(run_attention(*chunk_of(p, tokens, counts, sub), None), sub, f"chunk at {b}")
+
+
 # ---------------------------------------------------------------------------------------------
 # routing
 # ---------------------------------------------------------------------------------------------
@@ -447,12 +517,13 @@ def test_page4_refuses_float32(rng):
 # GPU tier: the shipped shape
 # ---------------------------------------------------------------------------------------------
 
-def gpu_problem(rows, context, seed, page_size=64, kb=512, overlap=0.82):
-    """One request, rows at the last positions of a ``context``-token context, Hq6/Hkv1/D256 float16."""
+def gpu_problem(rows, context, seed, page_size=64, kb=512, overlap=0.82, dtype=np.float16):
+    """One request, rows at the last positions of a ``context``-token context, Hq6/Hkv1/D256."""
     import sys, os
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     from bench_attention import make_workload
-    return make_workload(rows, context, page_size=page_size, kb=kb, overlap=overlap, seed=seed)
+    return make_workload(rows, context, page_size=page_size, kb=kb, overlap=overlap, seed=seed,
+                         dtype=dtype)
 
 
 @pytest.mark.gpu

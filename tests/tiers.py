@@ -25,6 +25,8 @@ SLOW = {
     "test_attention_kernels.py::test_generic_heads_dtypes[24-2]":
         "test_generic_heads_dtypes[12-1] (12 heads per KV head) and "
         "test_geometries.py::test_generic_attention_geometry[4-2-40-float32] (a second KV head)",
+    "test_attention_kernels.py::test_prefill_chunks_bitwise[sm_70-generic]":
+        "test_prefill_chunks_bitwise[sm_90-generic]: the same kernel",
     "test_attention_kernels.py::test_invariances[sm_70-generic]":
         "test_invariances[sm_90-generic] (slow): the same kernel in the simulator; in the default "
         "tier test_grouped.py::test_grouped_row_invariance",
