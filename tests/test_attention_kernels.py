@@ -459,7 +459,7 @@ def test_gpu_small_rows(dtype, seed):
     """The small-row checks (issue 20) at the bench's shape: the last 1, 4, 16, 64 and 256 rows of a
     32K context (2051 selected tokens, page 64 in random order), planned route, against the float64
     oracle; every row bitwise the same as in the 4096-row batch, in a second call (the cached
-    wrapper's graph replay), on relocated pages, and in a prefill split into two chunks at two
+    wrapper replays its prepared launches), on relocated pages, and in a prefill split into two chunks at two
     boundaries (the first chunk sees its request end at its last row)."""
     import ml_dtypes
     dt = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
@@ -476,8 +476,7 @@ def test_gpu_small_rows(dtype, seed):
 
     for n in (1, 4, 16, 64, 256):
         sub = np.arange(rows - n, rows)
-        c, t, k = chunk_of(p, tokens, counts, sub)
-        c["seq_lens"] = p["seq_lens"]
+        c, t, k = chunk_of(p, tokens, counts, sub)      # (the last rows: the request's length)
         first = run_attention(c, t, k, None)
         same(first, sub, f"{n} rows")
         same(run_attention(c, t, k, None), sub, f"{n} rows, again")
