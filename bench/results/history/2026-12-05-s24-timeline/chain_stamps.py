@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--cases", default="1x32K,16x32K")
     ap.add_argument("--tune", default="")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--no-flush", action="store_true", help="keep L2 warm (code, K/V, ids)")
     args = ap.parse_args()
     fb = cuda.device_array(64 * 1024 * 1024, np.float32)
     tb = cuda.device_array(4, np.int32)
@@ -71,7 +72,9 @@ def main():
             nb = st.shape[0] - nm
             res = {}
             for it in range(args.iters):
-                flush[264, 256](fb); mark[1, 1](tb, 0); prog([], 0); mark[1, 1](tb, 1)
+                if not args.no_flush:
+                    flush[264, 256](fb)
+                mark[1, 1](tb, 0); prog([], 0); mark[1, 1](tb, 1)
                 cuda.synchronize()
                 t = tb.copy_to_host(); s = st.copy_to_host()
                 t0 = t[0]
@@ -80,9 +83,13 @@ def main():
                         "direct last entry": rel(d[:, 0], t0).max(),
                         "verdict (median block)": np.median(rel(d[:, 1], t0)),
                         "stage 0 landed (median)": np.median(rel(d[:, 2], t0)),
+                        "chunk 1 ready (median)": np.median(rel(d[:, 12], t0)),
                         "chunk 1 done (median)": np.median(rel(d[:, 3], t0)),
+                        "chunk 2 ready (median)": np.median(rel(d[:, 13], t0)),
                         "chunk 2 done (median)": np.median(rel(d[:, 4], t0)),
+                        "chunk 3 ready (median)": np.median(rel(d[:, 14], t0)),
                         "chunk 3 done (median)": np.median(rel(d[:, 5], t0)),
+                        "chunk 4 ready (median)": np.median(rel(d[:, 15], t0)),
                         "chunk 4 done (median)": np.median(rel(d[:, 6], t0)),
                         "consumer end (median)": np.median(rel(d[:, 10], t0)),
                         "consumer end (last)": rel(d[:, 10], t0).max(),
@@ -94,7 +101,8 @@ def main():
                         "t_b (mark after graph)": rel(t[1:2], t0)[0]}
                 for k, v in vals.items():
                     res.setdefault(k, []).append(v)
-            tag = ",".join(f"{a}={b}" for a, b in tune.items()) or "default"
+            tag = (",".join(f"{a}={b}" for a, b in tune.items()) or "default") + (
+                " (L2 warm)" if args.no_flush else " (L2 flushed)")
             print(f"--- {case} {tag}: {nb} direct blocks, {nm} merge blocks (us from t_a, median of {args.iters})")
             for k, v in res.items():
                 print(f"  {k:28s} {np.median(v):7.2f}   (p10 {np.percentile(v, 10):6.2f}, p90 {np.percentile(v, 90):6.2f})")
