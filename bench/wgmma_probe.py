@@ -87,10 +87,7 @@ def descriptor(addr):
             | (uint64(1) << uint64(16)) | (uint64(64) << uint64(32)) | (uint64(1) << uint64(62)))
 
 
-@cuda.jit(device=True)
-def swizzled_byte_dev(n, k):
-    c = (2 * k) // 16
-    return (n // 8) * 1024 + (n % 8) * 128 + ((c ^ (n % 8)) * 16) + (2 * k) % 16
+swizzled_byte_dev = cuda.jit(device=True)(swizzled_byte)    # the same layout, in the kernel
 
 
 def make_probe(ab):
@@ -136,25 +133,18 @@ def make_probe(ab):
                    uint32(0))
         for i in range(16):
             out_eo[tid, i] = de[i] + do[i]
-        # the same products as mma.sync m16n8k16, one chain a n8 block over the k-steps in order
+        # the same products as mma.sync m16n8k16, a n8 block at a time: one chain over the k-steps
+        # in order (columns 0-15 of out_mma), and the even and odd chains summed (16-31)
         for nb in range(N // 8):
             c = (z, z, z, z)
-            for s in range(STEPS):
-                n = 8 * nb + g
-                b0 = buf[w0 + (swizzled_byte_dev(n, 16 * s + 2 * t) >> 2)]
-                b1 = buf[w0 + (swizzled_byte_dev(n, 16 * s + 8 + 2 * t) >> 2)]
-                c = mma((a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3]), (b0, b1), c,
-                            scr[warp], lane)
-            for j in range(4):
-                out_mma[tid, 4 * nb + j] = c[j]
-        # the mma.sync even / odd chains, summed
-        for nb in range(N // 8):
             ce = (z, z, z, z)
             co = (z, z, z, z)
             for s in range(STEPS):
                 n = 8 * nb + g
                 b0 = buf[w0 + (swizzled_byte_dev(n, 16 * s + 2 * t) >> 2)]
                 b1 = buf[w0 + (swizzled_byte_dev(n, 16 * s + 8 + 2 * t) >> 2)]
+                c = mma((a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3]), (b0, b1), c,
+                        scr[warp], lane)
                 if s % 2 == 0:
                     ce = mma((a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3]), (b0, b1), ce,
                              scr[warp], lane)
@@ -162,6 +152,7 @@ def make_probe(ab):
                     co = mma((a[4 * s], a[4 * s + 1], a[4 * s + 2], a[4 * s + 3]), (b0, b1), co,
                              scr[warp], lane)
             for j in range(4):
+                out_mma[tid, 4 * nb + j] = c[j]
                 out_mma[tid, 16 + 4 * nb + j] = ce[j] + co[j]
 
     return probe
@@ -179,40 +170,39 @@ def main():
 
 
 def run_case(probe, ab, dt, seed):
-    if True:
-        rng = np.random.default_rng(seed)
-        q = rng.standard_normal((M, K)).astype(dt)
-        k = rng.standard_normal((N, K)).astype(dt)
-        sw = np.zeros(N * K, dt)
-        for n in range(N):
-            for kk in range(K):
-                sw[swizzled_byte(n, kk) // 2] = k[n, kk]
-        out_wg = cuda.device_array((128, 16), np.float32)
-        out_mma = cuda.device_array((128, 32), np.float32)
-        out_eo = cuda.device_array((128, 16), np.float32)
-        probe[1, 128](cuda.to_device(q.view(np.uint32)), cuda.to_device(sw.view(np.uint32)),
-                      out_wg, out_mma, out_eo)
-        wg, mm2, eo = out_wg.copy_to_host(), out_mma.copy_to_host(), out_eo.copy_to_host()
-        mm, mmeo = np.ascontiguousarray(mm2[:, :16]), np.ascontiguousarray(mm2[:, 16:])
-        ref = q.astype(np.float64) @ k.astype(np.float64).T
-        got = np.zeros((M, N))
-        for tid in range(128):
-            w, lane = divmod(tid, 32)
-            g, t = lane >> 2, lane & 3
-            for i in range(16):
-                nb, j = divmod(i, 4)
-                got[16 * w + g + 8 * (j >> 1), 8 * nb + 2 * t + (j & 1)] = wg[tid, i]
-        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-        same = bool(np.array_equal(wg.view(np.uint32), mm.view(np.uint32)))
-        same_eo = bool(np.array_equal(eo.view(np.uint32), mmeo.view(np.uint32)))
-        print(f"{ab} seed {seed}: wgmma vs float64 max rel err {err:.2e}; bitwise equal to the "
-              f"mma.sync chain: {same} ({int(np.sum(wg.view(np.uint32) != mm.view(np.uint32)))} "
-              f"of {wg.size} differ); even + odd chains: {same_eo}", flush=True)
-        if err > 1e-2:
-            flat = ref.ravel()
-            for tid in (0, 1, 4, 32):
-                pos = [divmod(int(np.argmin(np.abs(flat - v))), N) for v in wg[tid]]
-                print(f"  thread {tid}: values found at {pos}")
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((M, K)).astype(dt)
+    k = rng.standard_normal((N, K)).astype(dt)
+    sw = np.zeros(N * K, dt)
+    for n in range(N):
+        for kk in range(K):
+            sw[swizzled_byte(n, kk) // 2] = k[n, kk]
+    out_wg = cuda.device_array((128, 16), np.float32)
+    out_mma = cuda.device_array((128, 32), np.float32)
+    out_eo = cuda.device_array((128, 16), np.float32)
+    probe[1, 128](cuda.to_device(q.view(np.uint32)), cuda.to_device(sw.view(np.uint32)),
+                  out_wg, out_mma, out_eo)
+    wg, mm2, eo = out_wg.copy_to_host(), out_mma.copy_to_host(), out_eo.copy_to_host()
+    mm, mmeo = np.ascontiguousarray(mm2[:, :16]), np.ascontiguousarray(mm2[:, 16:])
+    ref = q.astype(np.float64) @ k.astype(np.float64).T
+    got = np.zeros((M, N))
+    for tid in range(128):
+        w, lane = divmod(tid, 32)
+        g, t = lane >> 2, lane & 3
+        for i in range(16):
+            nb, j = divmod(i, 4)
+            got[16 * w + g + 8 * (j >> 1), 8 * nb + 2 * t + (j & 1)] = wg[tid, i]
+    err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+    same = bool(np.array_equal(wg.view(np.uint32), mm.view(np.uint32)))
+    same_eo = bool(np.array_equal(eo.view(np.uint32), mmeo.view(np.uint32)))
+    print(f"{ab} seed {seed}: wgmma vs float64 max rel err {err:.2e}; bitwise equal to the "
+          f"mma.sync chain: {same} ({int(np.sum(wg.view(np.uint32) != mm.view(np.uint32)))} "
+          f"of {wg.size} differ); even + odd chains: {same_eo}", flush=True)
+    if err > 1e-2:
+        flat = ref.ravel()
+        for tid in (0, 1, 4, 32):
+            pos = [divmod(int(np.argmin(np.abs(flat - v))), N) for v in wg[tid]]
+            print(f"  thread {tid}: values found at {pos}")
 
 
 if __name__ == "__main__":
